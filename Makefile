@@ -1,0 +1,33 @@
+# nimmer-train: `make demo` runs the pipeline end to end, `make test` runs the test suite.
+# Both create .venv and install the project on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/python -m pipelines.run_all experiment=demo
+
+test: install lint
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python -m benchmarks.bench_build_base
+
+clean:
+	rm -rf artifacts mlartifacts mlflow.db outputs multirun benchmarks/results

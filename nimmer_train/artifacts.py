@@ -1,0 +1,133 @@
+"""Artifacts on disk: content hashes, input fingerprints, atomic publication, manifests.
+
+Every stage output is a folder named by a fingerprint of its inputs and config. It is built in a
+hidden staging folder beside its final place, fsynced, and renamed into place, so a half-written
+artifact is never visible. Its ``manifest.json`` lists the sha256 and size of every file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path, block: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fingerprint(obj: Any) -> str:
+    """Full sha256 of a JSON-serialisable object (keys sorted); stable across runs."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def git_commit(cwd: Path | None = None) -> str:
+    """The current commit, with ``-dirty`` when the work tree has changes; ``unknown`` outside git."""
+    try:
+        run = lambda *a: subprocess.run(  # noqa: E731
+            ["git", *a], cwd=cwd, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        commit = run("rev-parse", "HEAD")
+        dirty = run("status", "--porcelain", "--untracked-files=no")
+        return f"{commit}-dirty" if dirty else commit
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+    for path in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a staging folder; on success fsync it and rename it to ``final`` in one step.
+
+    On failure the staging folder is removed and ``final`` is untouched.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.parent / f".{final.name}.staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+        _fsync_tree(staging)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to ``path`` through a temp file, fsync and rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def file_table(folder: Path) -> list[dict[str, Any]]:
+    """sha256 and size of every file under ``folder`` except the manifest, sorted by path."""
+    rows = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        rows.append(
+            {"path": path.relative_to(folder).as_posix(), "sha256": sha256_file(path),
+             "size": path.stat().st_size}
+        )
+    return rows
+
+
+def write_manifest(folder: Path, kind: str, fingerprint_: str, lineage: dict[str, Any]) -> dict:
+    """Write ``manifest.json`` for a finished artifact folder and return it."""
+    manifest = {
+        "kind": kind,
+        "fingerprint": fingerprint_,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "lineage": lineage,
+        "files": file_table(folder),
+    }
+    write_json_atomic(folder / MANIFEST, manifest)
+    return manifest
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / MANIFEST).read_text())
+
+
+def verify_manifest(folder: Path) -> list[str]:
+    """Files whose bytes no longer match the manifest (empty when the folder is intact)."""
+    expected = {row["path"]: row["sha256"] for row in read_manifest(folder)["files"]}
+    actual = {row["path"]: row["sha256"] for row in file_table(folder)}
+    return sorted(p for p in expected.keys() | actual.keys() if expected.get(p) != actual.get(p))

@@ -1,0 +1,211 @@
+"""Typed configuration schema: one dataclass per Hydra config group.
+
+Hydra (in ``pipelines/``) registers these in its ConfigStore and composes YAML over them; the
+library receives the resulting dataclasses and never imports Hydra. ``__post_init__`` checks
+values that a type alone cannot, and names the full key on failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import MISSING, OmegaConf
+
+from nimmer_train.errors import ConfigError
+from nimmer_train.traits import TRAIT_AXES
+
+
+@dataclass
+class PathsConfig:
+    """Where things live: ``root`` is the repository (conf/, data_cards/), ``workdir`` receives
+    everything a job writes (artifacts, the MLflow store, Hydra's outputs)."""
+
+    root: str = "."
+    workdir: str = "${paths.root}"
+    artifacts: str = "${paths.workdir}/artifacts"
+
+    def artifacts_dir(self) -> Path:
+        return Path(self.artifacts).resolve()
+
+
+@dataclass
+class WorkConfig:
+    """One work of a corpus: its file, bibliographic metadata and cleaning rules."""
+
+    file: str = MISSING
+    title: str = MISSING
+    author: str = MISSING
+    translator: str | None = None
+    license: str = "public-domain"
+    language: str = "en"
+    trait_affinity: list[str] = field(default_factory=list)
+    gutenberg_id: int | None = None
+    sha256: str | None = None
+    url: str | None = None  # overrides corpus.fetch.url_template for this work
+    drop_before: str | None = None  # regex: drop everything before the first line matching it
+    drop_after: str | None = None  # regex: drop the first line matching it and all that follows
+
+
+@dataclass
+class FetchConfig:
+    """Downloading the corpus for users with internet (``pipelines.fetch_corpus``)."""
+
+    url_template: str = "https://www.gutenberg.org/cache/epub/{gutenberg_id}/pg{gutenberg_id}.txt"
+    timeout_s: float = 60.0
+    retries: int = 3
+
+
+@dataclass
+class CorpusConfig:
+    """A corpus of plain-text works and how ingest cleans, chunks, dedups and splits it."""
+
+    name: str = MISSING
+    source_dir: str = MISSING
+    works: dict[str, WorkConfig] = field(default_factory=dict)
+    include: list[str] | None = None  # subset of works by key; null = all
+    chunk_chars: int = 2000
+    min_chunk_chars: int = 200
+    validation_fraction: float = 0.1
+    near_dup_threshold: float = 0.85
+    shingle_words: int = 5
+    minhash_perms: int = 64
+    data_card: str = "${paths.root}/data_cards/${corpus.name}.md"
+    fetch: FetchConfig = field(default_factory=FetchConfig)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.validation_fraction < 0.5:
+            raise ConfigError("corpus.validation_fraction", "must be in (0, 0.5)")
+        if not 0.0 < self.near_dup_threshold <= 1.0:
+            raise ConfigError("corpus.near_dup_threshold", "must be in (0, 1]")
+        if self.min_chunk_chars >= self.chunk_chars:
+            raise ConfigError("corpus.min_chunk_chars", "must be smaller than corpus.chunk_chars")
+        for key, work in self.works.items():
+            for axis in work.trait_affinity:
+                if axis not in TRAIT_AXES:
+                    raise ConfigError(
+                        f"corpus.works.{key}.trait_affinity",
+                        f"unknown trait axis {axis!r}; known: {', '.join(TRAIT_AXES)}",
+                    )
+        for key in self.include or []:
+            if key not in self.works:
+                raise ConfigError(
+                    "corpus.include", f"no work {key!r}; known: {', '.join(sorted(self.works))}"
+                )
+
+    def selected_works(self) -> dict[str, WorkConfig]:
+        keys = self.include if self.include is not None else sorted(self.works)
+        return {k: self.works[k] for k in keys}
+
+
+@dataclass
+class ModelConfig:
+    """The causal LM: built from config (``name_or_path`` null) or loaded for continued pretraining."""
+
+    name: str = MISSING
+    family: str = "llama"
+    name_or_path: str | None = None  # a local HF model folder (or hub id where a hub is reachable)
+    tokenizer: str = "train"  # "train": byte-level BPE on the train split; "pretrained": reuse
+    vocab_size: int = 4096
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    dtype: str = "float32"  # float32 | bfloat16
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tokenizer not in ("train", "pretrained"):
+            raise ConfigError("model.tokenizer", f"must be 'train' or 'pretrained', got {self.tokenizer!r}")
+        if self.tokenizer == "pretrained" and not self.name_or_path:
+            raise ConfigError("model.name_or_path", "required when model.tokenizer=pretrained")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError("model.dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
+        if self.name_or_path is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError("model.hidden_size", "must be divisible by model.num_attention_heads")
+
+
+@dataclass
+class TrainConfig:
+    """Causal-LM training on packed blocks (build_base)."""
+
+    seed: int = 1234
+    seq_len: int = 256
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 1
+    max_steps: int = 200
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 16
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    launcher: str = "local"  # local | torchrun | accelerate
+    nproc: int = 1
+    accelerate_config: str | None = None  # e.g. ${paths.root}/conf/accelerate/fsdp.yaml
+
+    def __post_init__(self) -> None:
+        positive = ("seq_len", "micro_batch_size", "grad_accum_steps", "max_steps", "nproc",
+                    "log_every", "eval_batches")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.launcher not in ("local", "torchrun", "accelerate"):
+            raise ConfigError(
+                "train.launcher", f"must be local, torchrun or accelerate, got {self.launcher!r}"
+            )
+        if self.launcher == "local" and self.nproc != 1:
+            raise ConfigError("train.nproc", "needs train.launcher=torchrun or accelerate for more than 1")
+        if self.launcher == "accelerate" and not self.accelerate_config:
+            raise ConfigError("train.accelerate_config", "required when train.launcher=accelerate")
+        if self.warmup_steps >= self.max_steps:
+            raise ConfigError("train.warmup_steps", "must be smaller than train.max_steps")
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow: an embedded SQLite store by default, a tracking server when ``uri`` is set."""
+
+    uri: str | None = None
+    store: str = "${paths.workdir}/mlflow.db"
+    artifact_root: str = "${paths.workdir}/mlartifacts"
+    experiment_prefix: str = "nimmer"
+    enabled: bool = True
+
+    def tracking_uri(self) -> str:
+        return self.uri or f"sqlite:///{Path(self.store).resolve()}"
+
+
+@dataclass
+class Config:
+    """The whole job configuration; every pipeline composes this."""
+
+    experiment_name: str = "default"  # the preset in use; set by experiment/*.yaml
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write the resolved config as YAML (what distributed workers read)."""
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+def load_config(path: Path) -> Config:
+    """Read a config written by :func:`save_config`, checked against the schema."""
+    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+    obj = OmegaConf.to_object(merged)
+    assert isinstance(obj, Config)
+    return obj

@@ -1,0 +1,150 @@
+"""MLflow tracking: one run per stage, one experiment per pipeline, nested under run_all.
+
+The default store is embedded (SQLite file plus a local artifact folder, no server);
+``tracking.uri`` points at a tracking server instead. A run logs the resolved config (flattened
+params and config.yaml), the git commit, dataset lineage, metrics as they happen and the stage's
+output manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
+
+from nimmer_train.artifacts import git_commit
+from nimmer_train.config import Config, TrackingConfig
+
+MetricLogger = Callable[[dict[str, float], int], None]
+
+
+def configure(cfg: TrackingConfig) -> str:
+    """Point MLflow at the configured store and return its URI."""
+    uri = cfg.tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
+def ui_command(cfg: TrackingConfig) -> str:
+    """The exact command a reviewer runs to open these runs."""
+    if cfg.uri:
+        return f"open {cfg.uri} in a browser (tracking server)"
+    root = Path(cfg.artifact_root).resolve()
+    return f"mlflow ui --backend-store-uri {cfg.tracking_uri()} --default-artifact-root {root}"
+
+
+def experiment_id(cfg: TrackingConfig, pipeline: str) -> str:
+    name = f"{cfg.experiment_prefix}-{pipeline}"
+    found = mlflow.get_experiment_by_name(name)
+    if found:
+        return found.experiment_id
+    location = None if cfg.uri else (Path(cfg.artifact_root).resolve() / name).as_uri()
+    return mlflow.create_experiment(name, artifact_location=location)
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, str]:
+    """Flatten nested dicts to dotted keys; lists become JSON strings."""
+    out: dict[str, str] = {}
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+    else:
+        out[prefix[:-1]] = json.dumps(obj) if isinstance(obj, list) else str(obj)
+    return out
+
+
+def config_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+@contextlib.contextmanager
+def stage_run(
+    cfg: Config, pipeline: str, stage: str, resume_run_id: str | None = None
+) -> Iterator[str | None]:
+    """Open the MLflow run for one stage and yield its id (None when tracking is disabled).
+
+    Inside an active run (run_all's parent) the stage run is nested in it. ``resume_run_id``
+    continues a run that a killed job left behind.
+    """
+    if not cfg.tracking.enabled:
+        yield None
+        return
+    configure(cfg.tracking)
+    parent = mlflow.active_run()
+    if resume_run_id and _run_exists(resume_run_id):
+        ctx = mlflow.start_run(run_id=resume_run_id, nested=parent is not None)
+    else:
+        name = f"{stage} · {cfg.model.name} · {cfg.experiment_name} · {time.strftime('%m-%d %H:%M:%S')}"
+        exp = parent.info.experiment_id if parent else experiment_id(cfg.tracking, pipeline)
+        ctx = mlflow.start_run(experiment_id=exp, run_name=name, nested=parent is not None)
+    with ctx as run:
+        if resume_run_id != run.info.run_id:
+            log_config(cfg, stage)
+        else:
+            mlflow.set_tag("resumed", "true")
+        yield run.info.run_id
+
+
+def _run_exists(run_id: str) -> bool:
+    try:
+        MlflowClient().get_run(run_id)
+        return True
+    except mlflow.exceptions.MlflowException:
+        return False
+
+
+def log_config(cfg: Config, stage: str) -> None:
+    """Resolved config as flattened params plus config.yaml, the git commit and the stage."""
+    params = flatten(dataclasses.asdict(cfg))
+    mlflow.log_params({k: v[:6000] for k, v in params.items()})
+    mlflow.log_text(config_yaml(cfg), "config.yaml")
+    commit = git_commit(Path(__file__).resolve().parent)
+    mlflow.set_tags({"stage": stage, "git_commit": commit, "mlflow.source.git.commit": commit,
+                     "experiment_preset": cfg.experiment_name})
+
+
+def log_dataset(path: Path, name: str, sha256: str, context: str, dataset: Any = None) -> None:
+    """Record an input dataset: mlflow.log_input plus our full sha256 as a tag."""
+    if not mlflow.active_run():
+        return
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    source = resolve_dataset_source(path.resolve().as_uri())
+    if dataset is not None:
+        ds = mlflow.data.from_huggingface(dataset, name=name, digest=sha256[:32], source=source)
+    else:
+        ds = MetaDataset(source=source, name=name, digest=sha256[:32])
+    mlflow.log_input(ds, context=context, tags={"sha256": sha256, "path": str(path.resolve())})
+
+
+def log_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    if mlflow.active_run():
+        mlflow.log_dict(manifest, "manifest.json")
+        mlflow.set_tag("output", str(folder))
+
+
+def metric_logger(run_id: str | None, uri: str | None = None) -> MetricLogger:
+    """A function that logs metrics at a step to ``run_id`` (a no-op when run_id is None).
+
+    It talks to the store by run id, so a distributed worker can log into the run that the
+    launching process opened.
+    """
+    if run_id is None:
+        return lambda metrics, step: None
+    client = MlflowClient(tracking_uri=uri)
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    return log

@@ -1,0 +1,14 @@
+"""Build the nimmerworld base: ``python -m pipelines.build_base [overrides]``."""
+
+from nimmer_train.config import Config
+from nimmer_train.stages import build_base_stage
+from pipelines.entry import pipeline
+
+
+@pipeline
+def main(cfg: Config) -> None:
+    build_base_stage(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The one Hydra entry decorator every pipeline uses.
+
+It registers the typed schema, checks the composed config before any work starts (a misspelt
+key, a wrong type, a missing value or a bad value each give one line naming the key), then runs
+the stage under ``@hydra.main`` with the config as ``nimmer_train.config.Config``. Errors the
+user can fix (``NimmerError``) also print as one line. ``HYDRA_FULL_ERROR=1`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from nimmer_train.config import Config
+from nimmer_train.errors import NimmerError
+
+REPO = Path(__file__).resolve().parent.parent
+CONF_DIR = str(REPO / "conf")
+ConfigStore.instance().store(name="base_config", node=Config)
+OmegaConf.register_new_resolver("repo_root", lambda: str(REPO), replace=True)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _describe(exc: BaseException) -> str:
+    """One line from a Hydra/OmegaConf error: the full key and what is wrong with it."""
+    cause = exc
+    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__
+    key = getattr(cause, "full_key", None)
+    msg = str(getattr(cause, "msg", None) or cause).strip().splitlines()[0]
+    if isinstance(exc, NimmerError):
+        return str(exc)
+    head = str(exc).strip().splitlines()[0] if cause is not exc else ""
+    where = f"config key '{key}': " if key else (f"{head} " if head and head != msg else "")
+    hint = " (run with --cfg job to see the composed config)"
+    return f"{where}{msg}{hint}"
+
+
+def _to_config(cfg: DictConfig) -> Config:
+    """The typed config, with ``paths.workdir`` made absolute so workers see the same paths."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.paths.workdir = str(Path(cfg.paths.workdir).resolve())
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, Config)
+    return obj
+
+
+def _sweep_free(overrides: list[str]) -> list[str]:
+    """Replace each sweep (a,b,c or range) by its first value so one job can be checked."""
+    out = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.is_sweep_override():
+            first = next(iter(override.sweep_string_iterator()))
+            out.append(f"{override.get_key_element()}={first}")
+        else:
+            out.append(override.input_line)
+    return out
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose and type-check the config for ``argv`` before Hydra runs; exit 2 on a mistake."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.info or args.shell_completion:
+        return
+    overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra")]
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=_sweep_free(overrides))
+        _to_config(cfg)
+    except (OmegaConfBaseException, NimmerError, ValueError) as exc:  # hydra errors subclass these
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        _fail(_describe(exc))
+    except Exception as exc:  # ConfigCompositionException, MissingConfigException, parse errors
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        _fail(_describe(exc))
+
+
+def _quiet_progress_bars() -> None:
+    """Progress bars garble job logs; the stages log their own progress."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def pipeline(stage: Callable[[Config], object]) -> Callable[[], None]:
+    """Turn ``stage(cfg: Config)`` into a Hydra entry point with one-line error reporting."""
+
+    @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+    def task(cfg: DictConfig) -> None:
+        try:
+            stage(_to_config(cfg))
+        except NimmerError as exc:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            logging.getLogger(stage.__module__).error("%s", exc)
+            _fail(str(exc), code=1)
+
+    @functools.wraps(stage)
+    def main() -> None:
+        precheck(sys.argv[1:])
+        _quiet_progress_bars()
+        task()
+
+    return main

@@ -1,0 +1,20 @@
+"""Run every stage in order under one MLflow parent run: ``python -m pipelines.run_all``."""
+
+from nimmer_train.config import Config
+from nimmer_train.stages import run_all
+from nimmer_train.tracking import ui_command
+from pipelines.entry import pipeline
+
+
+@pipeline
+def main(cfg: Config) -> None:
+    corpus, base = run_all(cfg)
+    print("\nProduced:")
+    print(f"  corpus dataset + data card  {corpus.path}")
+    print(f"  base model (HF folder)      {base.path}")
+    if cfg.tracking.enabled:
+        print(f"\nReview the runs:\n  {ui_command(cfg.tracking)}")
+
+
+if __name__ == "__main__":
+    main()
