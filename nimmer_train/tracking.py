@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -119,11 +120,13 @@ def log_dataset(path: Path, name: str, sha256: str, context: str, dataset: Any =
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
-    source = resolve_dataset_source(path.resolve().as_uri())
-    if dataset is not None:
-        ds = mlflow.data.from_huggingface(dataset, name=name, digest=sha256[:32], source=source)
-    else:
-        ds = MetaDataset(source=source, name=name, digest=sha256[:32])
+    with warnings.catch_warnings():  # "interpreted in multiple ways", integer-schema hints
+        warnings.simplefilter("ignore", UserWarning)
+        source = resolve_dataset_source(path.resolve().as_uri())
+        if dataset is not None:
+            ds = mlflow.data.from_huggingface(dataset, name=name, digest=sha256[:32], source=source)
+        else:
+            ds = MetaDataset(source=source, name=name, digest=sha256[:32])
     mlflow.log_input(ds, context=context, tags={"sha256": sha256, "path": str(path.resolve())})
 
 

@@ -8,8 +8,8 @@ user can fix (``NimmerError``) also print as one line. ``HYDRA_FULL_ERROR=1`` sh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from nimmer_train.config import Config
-from nimmer_train.errors import NimmerError
+from nimmer_train.errors import ConfigError, NimmerError
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = str(REPO / "conf")
@@ -41,17 +41,40 @@ def _describe(exc: BaseException) -> str:
     while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
         cause = cause.__cause__
     key = getattr(cause, "full_key", None)
-    msg = str(getattr(cause, "msg", None) or cause).strip().splitlines()[0]
     if isinstance(exc, NimmerError):
         return str(exc)
+    lines = str(getattr(cause, "msg", None) or cause).strip().splitlines()
+    msg = lines[0]
+    if "Available options" in str(cause):  # a misspelt config group option: list the real ones
+        after = str(cause).split("Available options")[1].split("Config search path")[0]
+        options = [line.strip() for line in after.splitlines()[1:] if line.strip()]
+        msg += f"; available: {', '.join(options)}"
     head = str(exc).strip().splitlines()[0] if cause is not exc else ""
     where = f"config key '{key}': " if key else (f"{head} " if head and head != msg else "")
     hint = " (run with --cfg job to see the composed config)"
     return f"{where}{msg}{hint}"
 
 
+def _unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Keys that no schema dataclass declares (``+key=...`` appends slip past Hydra's check)."""
+    schema = OmegaConf.get_type(node)
+    allowed = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    unknown = []
+    for key in node:
+        if allowed is not None and key not in allowed:
+            unknown.append(f"{prefix}{key}")
+            continue
+        child = node._get_node(key)  # unresolved: interpolations need not resolve to be checked
+        if isinstance(child, DictConfig):
+            unknown += _unknown_keys(child, f"{prefix}{key}.")
+    return unknown
+
+
 def _to_config(cfg: DictConfig) -> Config:
     """The typed config, with ``paths.workdir`` made absolute so workers see the same paths."""
+    unknown = _unknown_keys(cfg)
+    if unknown:
+        raise ConfigError(unknown[0], "no such key in the config schema (nimmer_train/config.py)")
     cfg = cfg.copy()
     with open_dict(cfg):
         cfg.paths.workdir = str(Path(cfg.paths.workdir).resolve())
@@ -114,7 +137,6 @@ def pipeline(stage: Callable[[Config], object]) -> Callable[[], None]:
         except NimmerError as exc:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            logging.getLogger(stage.__module__).error("%s", exc)
             _fail(str(exc), code=1)
 
     @functools.wraps(stage)

@@ -1,0 +1,43 @@
+"""Shared test helpers: the shared literary corpus, running pipelines as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO.parent / "shared" / "corpora" / "literary"
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def corpus_dir() -> Path:
+    if not CORPUS.is_dir():
+        pytest.fail(f"the shared literary corpus is missing at {CORPUS} (../shared/corpora/literary)")
+    return CORPUS
+
+
+def run_pipeline(name: str, workdir: Path, *overrides: str, check: bool = True,
+                 timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m pipelines.<name>`` with its outputs under ``workdir``."""
+    cmd = [sys.executable, "-m", f"pipelines.{name}", f"paths.workdir={workdir}", *overrides]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
+    """One `run_all experiment=ci_tiny` shared by the end-to-end tests; returns its workdir."""
+    workdir = tmp_path_factory.mktemp("tiny_run")
+    run_pipeline("run_all", workdir, "experiment=ci_tiny")
+    return workdir
