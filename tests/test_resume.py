@@ -1,0 +1,56 @@
+"""A build_base killed with SIGKILL resumes from its checkpoint and ends at the same loss."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from nimmer_train.artifacts import read_manifest
+from tests.conftest import REPO, run_pipeline
+
+pytestmark = pytest.mark.slow
+
+OVERRIDES = ("experiment=ci_tiny", "train.max_steps=160", "train.checkpoint_every=20",
+             "train.eval_every=80")
+
+
+def _metrics(workdir: Path) -> dict:
+    (base,) = [p for p in (workdir / "artifacts/base").iterdir() if not p.name.startswith(".")]
+    return read_manifest(base)["lineage"]["metrics"]
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path: Path) -> None:
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run_pipeline("build_base", straight, *OVERRIDES)
+
+    cmd = [sys.executable, "-m", "pipelines.build_base", f"paths.workdir={killed}", *OVERRIDES]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 120
+    while not list((killed / "artifacts/base").glob(".work-*/checkpoints/step-000040")):
+        assert proc.poll() is None, "build finished before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    published = [p for p in (killed / "artifacts/base").iterdir() if not p.name.startswith(".")]
+    assert published == []  # no half-written model is visible
+
+    run_pipeline("build_base", killed, *OVERRIDES)
+    a, b = _metrics(straight), _metrics(killed)
+    assert b["final_train_loss"] == pytest.approx(a["final_train_loss"], rel=1e-6)
+    assert b["final_val_loss"] == pytest.approx(a["final_val_loss"], rel=1e-6)
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{killed / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("nimmer-build_base")
+    (run,) = client.search_runs([exp.experiment_id])  # the resumed run continued, not a second one
+    assert run.data.tags.get("resumed") == "true" and run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
+    assert steps[-1] == 160
