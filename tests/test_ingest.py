@@ -122,8 +122,8 @@ def test_bad_files_are_skipped_with_named_warnings(tmp_path: Path, caplog) -> No
         "good.txt": PROSE.encode(), "empty.txt": b"", "image.txt": b"\x89PNG\x00\x00\x01",
         "cp1252.txt": ("\u201cHello\u201d said the caf\u00e9 owner. " * 40 + "\n\n").encode("cp1252"),
     })
-    corpus = dataclasses.replace(corpus, works={**corpus.works,
-                                                "absent": WorkConfig(file="absent.txt", title="a", author="b")})
+    absent = WorkConfig(file="absent.txt", title="a", author="b")
+    corpus = dataclasses.replace(corpus, works={**corpus.works, "absent": absent})
     with caplog.at_level(logging.WARNING):
         result = ingest(corpus, tmp_path / "artifacts")
     assert set(result.stats["skipped"]) == {"empty", "image", "absent"}

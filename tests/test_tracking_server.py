@@ -57,4 +57,5 @@ def test_runs_go_to_the_tracking_server(server: str, tmp_path: Path) -> None:
     exp = client.get_experiment_by_name("nimmer-ingest")
     (run,) = client.search_runs([exp.experiment_id])
     assert run.data.metrics["works"] == 3
-    assert {"config.yaml", "manifest.json", "data_card"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "manifest.json", "data_card"} <= artifacts
