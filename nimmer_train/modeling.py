@@ -41,8 +41,9 @@ def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, see
     else:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(llama_config(cfg, vocab_size, eos_id, pad_id))
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if cfg.gradient_checkpointing:  # renamed activation_checkpointing_enable in transformers 5
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
         model.config.use_cache = False
     return model
 

@@ -127,7 +127,7 @@ def log_dataset(path: Path, name: str, sha256: str, context: str, dataset: Any =
             ds = mlflow.data.from_huggingface(dataset, name=name, digest=sha256[:32], source=source)
         else:
             ds = MetaDataset(source=source, name=name, digest=sha256[:32])
-    mlflow.log_input(ds, context=context, tags={"sha256": sha256, "path": str(path.resolve())})
+        mlflow.log_input(ds, context=context, tags={"sha256": sha256, "path": str(path.resolve())})
 
 
 def log_manifest(folder: Path, manifest: dict[str, Any]) -> None:
