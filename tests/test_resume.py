@@ -21,9 +21,17 @@ OVERRIDES = ("experiment=ci_tiny", "train.max_steps=160", "train.checkpoint_ever
              "train.eval_every=80")
 
 
-def _metrics(workdir: Path) -> dict:
+def _manifest(workdir: Path) -> dict:
     (base,) = [p for p in (workdir / "artifacts/base").iterdir() if not p.name.startswith(".")]
-    return read_manifest(base)["lineage"]["metrics"]
+    return read_manifest(base)
+
+
+def _metrics(workdir: Path) -> dict:
+    return _manifest(workdir)["lineage"]["metrics"]
+
+
+def _weights_sha(workdir: Path) -> str:
+    return next(f["sha256"] for f in _manifest(workdir)["files"] if f["path"] == "model.safetensors")
 
 
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path: Path) -> None:
@@ -47,6 +55,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path: Path) -> None:
     a, b = _metrics(straight), _metrics(killed)
     assert b["final_train_loss"] == pytest.approx(a["final_train_loss"], rel=1e-6)
     assert b["final_val_loss"] == pytest.approx(a["final_val_loss"], rel=1e-6)
+    assert _weights_sha(killed) == _weights_sha(straight)  # deterministic on CPU: same bytes
 
     client = MlflowClient(tracking_uri=f"sqlite:///{killed / 'mlflow.db'}")
     exp = client.get_experiment_by_name("nimmer-build_base")
