@@ -60,9 +60,15 @@ def main() -> None:
     args = parser.parse_args()
 
     mcfg = ModelConfig(name="tiny")  # the dataclass defaults are conf/model/tiny.yaml
-    cfg = TrainConfig(seq_len=args.seq_len, micro_batch_size=args.batch, max_steps=args.steps,
-                      warmup_steps=min(5, args.steps - 1), eval_every=0, checkpoint_every=0,
-                      log_every=10)
+    cfg = TrainConfig(
+        seq_len=args.seq_len,
+        micro_batch_size=args.batch,
+        max_steps=args.steps,
+        warmup_steps=min(5, args.steps - 1),
+        eval_every=0,
+        checkpoint_every=0,
+        log_every=10,
+    )
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, mcfg.vocab_size, (512, cfg.seq_len), generator=gen)
     measure(bare_loop, mcfg, blocks, TrainConfig(**{**cfg.__dict__, "max_steps": 6, "warmup_steps": 1}))
@@ -72,10 +78,16 @@ def main() -> None:
         results["build_base"].append(measure(ours, mcfg, blocks, cfg))
     bare, mine = statistics.median(results["bare"]), statistics.median(results["build_base"])
     report = {
-        "model": "tiny", "parameters": count_parameters(build_model(mcfg, mcfg.vocab_size, 0, 1, 0)),
-        "seq_len": cfg.seq_len, "micro_batch_size": cfg.micro_batch_size, "steps": cfg.max_steps,
-        "torch_threads": torch.get_num_threads(), "tokens_per_s": results,
-        "median_tokens_per_s": {"bare": bare, "build_base": mine}, "ratio": mine / bare, "goal": 0.90,
+        "model": "tiny",
+        "parameters": count_parameters(build_model(mcfg, mcfg.vocab_size, 0, 1, 0)),
+        "seq_len": cfg.seq_len,
+        "micro_batch_size": cfg.micro_batch_size,
+        "steps": cfg.max_steps,
+        "torch_threads": torch.get_num_threads(),
+        "tokens_per_s": results,
+        "median_tokens_per_s": {"bare": bare, "build_base": mine},
+        "ratio": mine / bare,
+        "goal": 0.90,
     }
     out = Path(__file__).parent / "results" / "bench_build_base.json"
     out.parent.mkdir(exist_ok=True)

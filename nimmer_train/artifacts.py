@@ -16,6 +16,7 @@ import subprocess
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 MANIFEST = "manifest.json"
@@ -33,6 +34,14 @@ def fingerprint(obj: Any) -> str:
     """Full sha256 of a JSON-serialisable object (keys sorted); stable across runs."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def source_fingerprint(*modules: ModuleType) -> str:
+    """sha256 over the source files of ``modules``: a code change renames the artifacts it makes."""
+    digest = hashlib.sha256()
+    for module in modules:
+        digest.update(Path(str(module.__file__)).read_bytes())
+    return digest.hexdigest()
 
 
 def git_commit(cwd: Path | None = None) -> str:
@@ -103,8 +112,11 @@ def file_table(folder: Path) -> list[dict[str, Any]]:
     rows = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
         rows.append(
-            {"path": path.relative_to(folder).as_posix(), "sha256": sha256_file(path),
-             "size": path.stat().st_size}
+            {
+                "path": path.relative_to(folder).as_posix(),
+                "sha256": sha256_file(path),
+                "size": path.stat().st_size,
+            }
         )
     return rows
 

@@ -35,6 +35,7 @@ from nimmer_train.artifacts import (
     fingerprint,
     git_commit,
     read_manifest,
+    source_fingerprint,
     verify_manifest,
     write_json_atomic,
     write_manifest,
@@ -50,8 +51,15 @@ from nimmer_train.tracking import metric_logger
 log = logging.getLogger(__name__)
 
 BUILD_VERSION = 1
-_NOT_SEMANTIC = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-                 "launcher", "accelerate_config")
+_NOT_SEMANTIC = (
+    "log_every",
+    "eval_every",
+    "eval_batches",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "launcher",
+    "accelerate_config",
+)
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,18 @@ class BaseResult:
 
 def plan(cfg: Config, corpus: IngestResult) -> BasePlan:
     train_cfg = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _NOT_SEMANTIC}
-    fp = fingerprint({"version": BUILD_VERSION, "dataset": corpus.fingerprint,
-                      "model": dataclasses.asdict(cfg.model), "train": train_cfg})
+    from nimmer_train import modeling, pretrain, tokenizer
+
+    code = source_fingerprint(modeling, pretrain, tokenizer, sys.modules[__name__])
+    fp = fingerprint(
+        {
+            "version": BUILD_VERSION,
+            "code": code,
+            "dataset": corpus.fingerprint,
+            "model": dataclasses.asdict(cfg.model),
+            "train": train_cfg,
+        }
+    )
     root = cfg.paths.artifacts_dir() / "base"
     name = f"{cfg.model.name}-{fp[:12]}"
     return BasePlan(fp, root / name, root / f".work-{name}")
@@ -93,9 +111,14 @@ def build_base(cfg: Config, corpus: IngestResult, p: BasePlan, run_id: str | Non
         return BaseResult(p.out, p.fingerprint, existing["lineage"]["metrics"], reused=True)
     p.work.mkdir(parents=True, exist_ok=True)
     save_config(cfg, p.work / "config.yaml")
-    write_json_atomic(p.work / "inputs.json", {
-        "dataset_dir": str(corpus.dataset_dir), "run_id": run_id,
-        "tracking_uri": cfg.tracking.tracking_uri() if cfg.tracking.enabled else None})
+    write_json_atomic(
+        p.work / "inputs.json",
+        {
+            "dataset_dir": str(corpus.dataset_dir),
+            "run_id": run_id,
+            "tracking_uri": cfg.tracking.tracking_uri() if cfg.tracking.enabled else None,
+        },
+    )
     started = time.perf_counter()
     if cfg.train.launcher == "local":
         worker(p.work)
@@ -104,17 +127,24 @@ def build_base(cfg: Config, corpus: IngestResult, p: BasePlan, run_id: str | Non
         log.info("launching %s", " ".join(cmd))
         code = subprocess.run(cmd).returncode
         if code:
-            raise NimmerError(f"distributed build_base failed (exit {code}); see the worker output "
-                              "above. Re-run the same command to resume from the last checkpoint.")
+            raise NimmerError(
+                f"distributed build_base failed (exit {code}); see the worker output "
+                "above. Re-run the same command to resume from the last checkpoint."
+            )
     result = json.loads((p.work / "result.json").read_text())
     result["wall_s"] = time.perf_counter() - started
     with atomic_dir(p.out) as staging:
         for item in (p.work / "model").iterdir():
             shutil.move(str(item), staging / item.name)
-        lineage = {"dataset_fingerprint": corpus.fingerprint, "dataset_dir": str(corpus.dataset_dir),
-                   "config_hash": p.fingerprint, "git_commit": git_commit(Path(__file__).parent),
-                   "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
-                   "metrics": result}
+        lineage = {
+            "dataset_fingerprint": corpus.fingerprint,
+            "dataset_dir": str(corpus.dataset_dir),
+            "config_hash": p.fingerprint,
+            "git_commit": git_commit(Path(__file__).parent),
+            "model": dataclasses.asdict(cfg.model),
+            "train": dataclasses.asdict(cfg.train),
+            "metrics": result,
+        }
         write_manifest(staging, "base", p.fingerprint, lineage)
     shutil.rmtree(p.work, ignore_errors=True)
     return BaseResult(p.out, p.fingerprint, result, reused=False)
@@ -124,10 +154,24 @@ def launch_command(cfg: Config, work: Path) -> list[str]:
     """The multi-process command for the worker: torchrun (DDP) or accelerate launch (DDP/FSDP)."""
     module = ["-m", "nimmer_train.build_base", str(work)]
     if cfg.train.launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={cfg.train.nproc}", *module]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(cfg.train.accelerate_config), "--num_processes", str(cfg.train.nproc), *module]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={cfg.train.nproc}",
+            *module,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(cfg.train.accelerate_config),
+        "--num_processes",
+        str(cfg.train.nproc),
+        *module,
+    ]
 
 
 def worker(work: Path) -> None:
@@ -138,23 +182,33 @@ def worker(work: Path) -> None:
     accelerator = Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available())
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != expected:
-        raise RuntimeError(f"launched as {expected} processes but Accelerator sees "
-                           f"{accelerator.num_processes}; distributed set-up failed")
+        raise RuntimeError(
+            f"launched as {expected} processes but Accelerator sees "
+            f"{accelerator.num_processes}; distributed set-up failed"
+        )
     set_seed(cfg.train.seed)
     dataset = load_from_disk(inputs["dataset_dir"])
     with accelerator.main_process_first():
         tokenizer = _tokenizer(cfg, dataset, work / "tokenizer", accelerator.is_main_process)
-        blocks = {split: _blocks(tokenizer, dataset[split]["text"], cfg.train.seq_len,
-                                 work / f"blocks-{split}.npy", accelerator.is_main_process)
-                  for split in ("train", "validation")}
+        blocks = {
+            split: _blocks(
+                tokenizer,
+                dataset[split]["text"],
+                cfg.train.seq_len,
+                work / f"blocks-{split}.npy",
+                accelerator.is_main_process,
+            )
+            for split in ("train", "validation")
+        }
     if len(blocks["train"]) == 0:
         raise NimmerError(f"the train split has fewer than train.seq_len={cfg.train.seq_len} tokens")
-    model = build_model(cfg.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
-                        cfg.train.seed)
-    logger = metric_logger(inputs["run_id"] if accelerator.is_main_process else None,
-                           inputs["tracking_uri"])
-    state = train(model, blocks["train"], blocks["validation"], cfg.train, accelerator,
-                  work / "checkpoints", logger)
+    model = build_model(
+        cfg.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.train.seed
+    )
+    logger = metric_logger(inputs["run_id"] if accelerator.is_main_process else None, inputs["tracking_uri"])
+    state = train(
+        model, blocks["train"], blocks["validation"], cfg.train, accelerator, work / "checkpoints", logger
+    )
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
@@ -164,16 +218,22 @@ def worker(work: Path) -> None:
         tokenizer.save_pretrained(out)
         evals = [h for h in state.history if "val_loss" in h]
         trains = [h for h in state.history if "train_loss" in h]
-        write_json_atomic(work / "result.json", {
-            "steps": state.step, "tokens": state.tokens,
-            "parameters": count_parameters(accelerator.unwrap_model(model)),
-            "initial_val_loss": evals[0]["val_loss"] if evals else math.nan,
-            "initial_val_ppl": evals[0]["val_ppl"] if evals else math.nan,
-            "final_val_loss": evals[-1]["val_loss"] if evals else math.nan,
-            "final_val_ppl": evals[-1]["val_ppl"] if evals else math.nan,
-            "final_train_loss": trains[-1]["train_loss"] if trains else math.nan,
-            "train_blocks": len(blocks["train"]), "validation_blocks": len(blocks["validation"]),
-            "processes": accelerator.num_processes})
+        write_json_atomic(
+            work / "result.json",
+            {
+                "steps": state.step,
+                "tokens": state.tokens,
+                "parameters": count_parameters(accelerator.unwrap_model(model)),
+                "initial_val_loss": evals[0]["val_loss"] if evals else math.nan,
+                "initial_val_ppl": evals[0]["val_ppl"] if evals else math.nan,
+                "final_val_loss": evals[-1]["val_loss"] if evals else math.nan,
+                "final_val_ppl": evals[-1]["val_ppl"] if evals else math.nan,
+                "final_train_loss": trains[-1]["train_loss"] if trains else math.nan,
+                "train_blocks": len(blocks["train"]),
+                "validation_blocks": len(blocks["validation"]),
+                "processes": accelerator.num_processes,
+            },
+        )
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

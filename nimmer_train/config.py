@@ -12,7 +12,11 @@ from pathlib import Path
 
 from omegaconf import MISSING, OmegaConf
 
+from nimmer_train.composition import CompositionConfig
+from nimmer_train.curation import CurationConfig
 from nimmer_train.errors import ConfigError
+from nimmer_train.registers import RegistersConfig
+from nimmer_train.teacher.base import TeacherConfig
 from nimmer_train.traits import TRAIT_AXES
 
 
@@ -155,8 +159,15 @@ class TrainConfig:
     accelerate_config: str | None = None  # e.g. ${paths.root}/conf/accelerate/fsdp.yaml
 
     def __post_init__(self) -> None:
-        positive = ("seq_len", "micro_batch_size", "grad_accum_steps", "max_steps", "nproc",
-                    "log_every", "eval_batches")
+        positive = (
+            "seq_len",
+            "micro_batch_size",
+            "grad_accum_steps",
+            "max_steps",
+            "nproc",
+            "log_every",
+            "eval_batches",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
@@ -196,6 +207,26 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    registers: RegistersConfig = MISSING
+    composition: CompositionConfig = MISSING
+    teacher: TeacherConfig = MISSING
+    curation: CurationConfig = field(default_factory=CurationConfig)
+
+    def __post_init__(self) -> None:
+        """Checks across groups: registers named anywhere exist, affinities name corpus works."""
+        for name in self.composition.registers or []:
+            if name not in self.registers.catalogue:
+                raise ConfigError(
+                    "composition.registers",
+                    f"unknown register {name!r}; known: {', '.join(self.registers.catalogue)}",
+                )
+        for name, reg in self.registers.catalogue.items():
+            for work in reg.literary_affinities:
+                if work not in self.corpus.works:
+                    raise ConfigError(
+                        f"registers.catalogue.{name}.literary_affinities",
+                        f"no corpus work {work!r}; known: {', '.join(sorted(self.corpus.works))}",
+                    )
 
 
 def save_config(cfg: Config, path: Path) -> None:

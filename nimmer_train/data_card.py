@@ -15,15 +15,27 @@ import yaml
 
 log = logging.getLogger(__name__)
 
-SECTIONS = ("Motivation", "Composition", "Collection process", "Preprocessing", "Uses",
-            "Distribution", "Maintenance")
+SECTIONS = (
+    "Motivation",
+    "Composition",
+    "Collection process",
+    "Preprocessing",
+    "Uses",
+    "Distribution",
+    "Maintenance",
+)
 _PLACEHOLDER = re.compile(r"<!--\s*figures:(\w+)\s*-->")
 
 
 def size_category(n: int) -> str:
     """The Hugging Face ``size_categories`` bucket for ``n`` examples."""
-    for limit, label in ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"),
-                         (1_000_000, "100K<n<1M"), (10_000_000, "1M<n<10M")):
+    for limit, label in (
+        (1_000, "n<1K"),
+        (10_000, "1K<n<10K"),
+        (100_000, "10K<n<100K"),
+        (1_000_000, "100K<n<1M"),
+        (10_000_000, "1M<n<10M"),
+    ):
         if n < limit:
             return label
     return "n>10M"

@@ -8,6 +8,6 @@ class NimmerError(Exception):
 class ConfigError(NimmerError):
     """A config value that is wrong; the message starts with the full key."""
 
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
+    def __init__(self, key: str, message: str | None = None) -> None:
+        super().__init__(f"{key}: {message}" if message is not None else key)
         self.key = key

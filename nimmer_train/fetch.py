@@ -70,13 +70,16 @@ def fetch_corpus(corpus: CorpusConfig) -> dict[str, str]:
         got = sha256_file(tmp)
         if work.sha256 and got != work.sha256:
             tmp.unlink()
-            failures.append(f"{work.file}: sha256 {got} from {url} does not match "
-                            f"corpus.works.{key}.sha256 {work.sha256}")
+            failures.append(
+                f"{work.file}: sha256 {got} from {url} does not match corpus.works.{key}.sha256 {work.sha256}"
+            )
             continue
         tmp.replace(dest)
         outcome[key] = "downloaded"
         log.info("fetched %s from %s (sha256 ok)", dest, url)
     if failures:
-        raise NimmerError(f"{len(failures)} of {len(outcome) + len(failures)} works not fetched "
-                          f"(verified ones were kept): " + "; ".join(failures))
+        raise NimmerError(
+            f"{len(failures)} of {len(outcome) + len(failures)} works not fetched "
+            f"(verified ones were kept): " + "; ".join(failures)
+        )
     return outcome

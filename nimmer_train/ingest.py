@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from nimmer_train.artifacts import (
     fingerprint,
     read_manifest,
     sha256_file,
+    source_fingerprint,
     verify_manifest,
     write_json_atomic,
     write_manifest,
@@ -77,8 +79,17 @@ def corpus_fingerprint(corpus: CorpusConfig, sources: dict[str, tuple[Path, str 
     settings = dataclasses.asdict(corpus)
     for key in ("source_dir", "data_card", "fetch"):
         settings.pop(key)
-    return fingerprint({"version": INGEST_VERSION, "corpus": settings,
-                        "sources": {k: sha for k, (_, sha) in sources.items()}})
+    from nimmer_train import chunking, cleaning, dedup
+
+    code = source_fingerprint(chunking, cleaning, dedup, sys.modules[__name__])
+    return fingerprint(
+        {
+            "version": INGEST_VERSION,
+            "code": code,
+            "corpus": settings,
+            "sources": {k: sha for k, (_, sha) in sources.items()},
+        }
+    )
 
 
 def ingest(corpus: CorpusConfig, artifacts: Path) -> IngestResult:
@@ -97,24 +108,32 @@ def ingest(corpus: CorpusConfig, artifacts: Path) -> IngestResult:
             f"no usable text in {Path(corpus.source_dir).resolve()}: every file was skipped "
             f"({'; '.join(f'{k}: {why}' for k, why in skipped.items()) or 'no works selected'})"
         )
-    exact, near = find_duplicates([r["text"] for r in rows], corpus.near_dup_threshold,
-                                  corpus.shingle_words, corpus.minhash_perms)
+    exact, near = find_duplicates(
+        [r["text"] for r in rows], corpus.near_dup_threshold, corpus.shingle_words, corpus.minhash_perms
+    )
     kept = [r for i, r in enumerate(rows) if i not in exact and i not in near]
     train, validation = _split(kept, corpus.validation_fraction)
     stats = _stats(train, validation, per_work, skipped, len(exact), len(near))
 
     with atomic_dir(out) as staging:
         columns = list(rows[0])
-        DatasetDict({
-            "train": Dataset.from_dict({c: [r[c] for r in train] for c in columns}),
-            "validation": Dataset.from_dict({c: [r[c] for r in validation] for c in columns}),
-        }).save_to_disk(str(staging / "dataset"))
+        DatasetDict(
+            {
+                "train": Dataset.from_dict({c: [r[c] for r in train] for c in columns}),
+                "validation": Dataset.from_dict({c: [r[c] for r in validation] for c in columns}),
+            }
+        ).save_to_disk(str(staging / "dataset"))
         write_json_atomic(staging / "stats.json", stats)
         (staging / "README.md").write_text(_card(corpus, stats))
-        write_manifest(staging, "corpus", fp, {"corpus": corpus.name, "stats": stats,
-                                               "sources": {k: s for k, (_, s) in sources.items()}})
-    log.info("corpus %s: %d train / %d validation chunks at %s", corpus.name, len(train),
-             len(validation), out)
+        write_manifest(
+            staging,
+            "corpus",
+            fp,
+            {"corpus": corpus.name, "stats": stats, "sources": {k: s for k, (_, s) in sources.items()}},
+        )
+    log.info(
+        "corpus %s: %d train / %d validation chunks at %s", corpus.name, len(train), len(validation), out
+    )
     return IngestResult(out, fp, stats, reused=False)
 
 
@@ -148,17 +167,30 @@ def _read_works(
         if work.sha256 and work.sha256 != sha:
             log.warning("%s: sha256 %s differs from the one in config (%s)", path, sha, work.sha256)
         chunks = chunk_paragraphs(text.text.split("\n\n"), corpus.chunk_chars, corpus.min_chunk_chars)
-        per_work[key] = {"encoding": text.encoding, "sha256": sha, "file": work.file,
-                         "boilerplate_paragraphs_dropped": text.boilerplate_paragraphs_dropped}
+        per_work[key] = {
+            "encoding": text.encoding,
+            "sha256": sha,
+            "file": work.file,
+            "boilerplate_paragraphs_dropped": text.boilerplate_paragraphs_dropped,
+        }
         rows += [_row(key, work, path, sha, text.encoding, i, c) for i, c in enumerate(chunks)]
     return rows, per_work, skipped
 
 
 def _row(key: str, work: WorkConfig, path: Path, sha: str, encoding: str, i: int, text: str) -> dict:
-    return {"text": text, "work": key, "title": work.title, "author": work.author,
-            "translator": work.translator or "", "license": work.license,
-            "trait_affinity": list(work.trait_affinity), "source_file": path.name,
-            "source_sha256": sha, "encoding": encoding, "chunk_index": i}
+    return {
+        "text": text,
+        "work": key,
+        "title": work.title,
+        "author": work.author,
+        "translator": work.translator or "",
+        "license": work.license,
+        "trait_affinity": list(work.trait_affinity),
+        "source_file": path.name,
+        "source_sha256": sha,
+        "encoding": encoding,
+        "chunk_index": i,
+    }
 
 
 def _split(rows: list[dict[str, Any]], fraction: float) -> tuple[list[dict], list[dict]]:
@@ -174,8 +206,9 @@ def _split(rows: list[dict[str, Any]], fraction: float) -> tuple[list[dict], lis
     return train, validation
 
 
-def _stats(train: list[dict], validation: list[dict], per_work: dict[str, dict], skipped: dict,
-           exact: int, near: int) -> dict[str, Any]:
+def _stats(
+    train: list[dict], validation: list[dict], per_work: dict[str, dict], skipped: dict, exact: int, near: int
+) -> dict[str, Any]:
     for work, info in per_work.items():
         for split, rows in (("train", train), ("validation", validation)):
             mine = [r for r in rows if r["work"] == work]
@@ -198,28 +231,58 @@ def _card(corpus: CorpusConfig, stats: dict[str, Any]) -> str:
     per_work = stats["per_work"]
     works = corpus.works
     figures = {
-        "composition": data_card.table([
-            {"works": stats["works"], "chunks": stats["chunks"], "tokens (word-level)": stats["tokens"],
-             "train chunks": stats["splits"]["train"],
-             "validation chunks": stats["splits"]["validation"]}]),
-        "per_work": data_card.table([
-            {"work": works[k].title, "author": works[k].author,
-             "translator": works[k].translator or "", "trait affinity": ", ".join(works[k].trait_affinity),
-             "train chunks": v["train_chunks"], "validation chunks": v["validation_chunks"],
-             "tokens": v["train_tokens"] + v["validation_tokens"]}
-            for k, v in per_work.items()]),
-        "sources": data_card.table([
-            {"file": v["file"], "encoding": v["encoding"], "sha256": f"`{v['sha256']}`",
-             "licence": works[k].license} for k, v in per_work.items()]),
-        "preprocessing": data_card.table([
-            {"exact duplicates removed": stats["duplicates_removed"]["exact"],
-             "near duplicates removed": stats["duplicates_removed"]["near"],
-             "boilerplate paragraphs dropped": sum(v["boilerplate_paragraphs_dropped"]
-                                                   for v in per_work.values()),
-             "files skipped": len(stats["skipped"])}])
+        "composition": data_card.table(
+            [
+                {
+                    "works": stats["works"],
+                    "chunks": stats["chunks"],
+                    "tokens (word-level)": stats["tokens"],
+                    "train chunks": stats["splits"]["train"],
+                    "validation chunks": stats["splits"]["validation"],
+                }
+            ]
+        ),
+        "per_work": data_card.table(
+            [
+                {
+                    "work": works[k].title,
+                    "author": works[k].author,
+                    "translator": works[k].translator or "",
+                    "trait affinity": ", ".join(works[k].trait_affinity),
+                    "train chunks": v["train_chunks"],
+                    "validation chunks": v["validation_chunks"],
+                    "tokens": v["train_tokens"] + v["validation_tokens"],
+                }
+                for k, v in per_work.items()
+            ]
+        ),
+        "sources": data_card.table(
+            [
+                {
+                    "file": v["file"],
+                    "encoding": v["encoding"],
+                    "sha256": f"`{v['sha256']}`",
+                    "licence": works[k].license,
+                }
+                for k, v in per_work.items()
+            ]
+        ),
+        "preprocessing": data_card.table(
+            [
+                {
+                    "exact duplicates removed": stats["duplicates_removed"]["exact"],
+                    "near duplicates removed": stats["duplicates_removed"]["near"],
+                    "boilerplate paragraphs dropped": sum(
+                        v["boilerplate_paragraphs_dropped"] for v in per_work.values()
+                    ),
+                    "files skipped": len(stats["skipped"]),
+                }
+            ]
+        )
         + "".join(f"\n\nSkipped `{k}`: {why}" for k, why in stats["skipped"].items()),
     }
-    metadata = {"size_categories": [data_card.size_category(stats["chunks"])],
-                "dataset_info": {"splits": [{"name": s, "num_examples": n}
-                                            for s, n in stats["splits"].items()]}}
+    metadata = {
+        "size_categories": [data_card.size_category(stats["chunks"])],
+        "dataset_info": {"splits": [{"name": s, "num_examples": n} for s, n in stats["splits"].items()]},
+    }
     return data_card.render(Path(corpus.data_card), metadata, figures)

@@ -66,15 +66,12 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     """AdamW with weight decay on matrices only (not on norms or biases)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> LambdaLR:
-    return LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-    )
+    return LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
 
 
 @torch.no_grad()
@@ -167,9 +164,15 @@ def train(
         if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
             train_loss = accelerator.reduce(window_loss, reduction="mean").item() / window_steps
             elapsed = time.perf_counter() - window_start
-            log({"train_loss": train_loss, "lr": scheduler.get_last_lr()[0],
-                 "tokens_per_s": window_steps * tokens_per_step / elapsed, "tokens": state.tokens},
-                state.step)
+            log(
+                {
+                    "train_loss": train_loss,
+                    "lr": scheduler.get_last_lr()[0],
+                    "tokens_per_s": window_steps * tokens_per_step / elapsed,
+                    "tokens": state.tokens,
+                },
+                state.step,
+            )
             state.history.append({"step": state.step, "train_loss": train_loss})
             window_loss.zero_()
             window_steps = 0

@@ -14,10 +14,11 @@ import mlflow
 from datasets import load_from_disk
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import read_manifest, write_json_atomic
+from nimmer_train.artifacts import read_manifest, sha256_file, write_json_atomic
 from nimmer_train.build_base import BaseResult, build_base, plan
 from nimmer_train.config import Config
 from nimmer_train.ingest import IngestResult, ingest
+from nimmer_train.synthesize import SynthResult, synthesize
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +31,18 @@ def ingest_stage(cfg: Config, pipeline: str = "ingest") -> IngestResult:
             sources = Path(cfg.corpus.source_dir).resolve()
             tracking.log_dataset(sources, f"{cfg.corpus.name}-source", result.fingerprint, "source")
             stats = result.stats
-            mlflow.log_metrics({
-                "works": stats["works"], "chunks": stats["chunks"], "tokens": stats["tokens"],
-                "train_chunks": stats["splits"]["train"],
-                "validation_chunks": stats["splits"]["validation"],
-                "exact_duplicates_removed": stats["duplicates_removed"]["exact"],
-                "near_duplicates_removed": stats["duplicates_removed"]["near"],
-                "files_skipped": len(stats["skipped"]),
-            })
+            mlflow.log_metrics(
+                {
+                    "works": stats["works"],
+                    "chunks": stats["chunks"],
+                    "tokens": stats["tokens"],
+                    "train_chunks": stats["splits"]["train"],
+                    "validation_chunks": stats["splits"]["validation"],
+                    "exact_duplicates_removed": stats["duplicates_removed"]["exact"],
+                    "near_duplicates_removed": stats["duplicates_removed"]["near"],
+                    "files_skipped": len(stats["skipped"]),
+                }
+            )
             mlflow.set_tags({"dataset_fingerprint": result.fingerprint, "reused": str(result.reused)})
             mlflow.log_artifact(str(result.path / "README.md"), "data_card")
             tracking.log_manifest(result.path, read_manifest(result.path))
@@ -45,8 +50,9 @@ def ingest_stage(cfg: Config, pipeline: str = "ingest") -> IngestResult:
     return result
 
 
-def build_base_stage(cfg: Config, corpus: IngestResult | None = None,
-                     pipeline: str = "build_base") -> BaseResult:
+def build_base_stage(
+    cfg: Config, corpus: IngestResult | None = None, pipeline: str = "build_base"
+) -> BaseResult:
     """Build the base inside an MLflow run; a killed build resumes its checkpoints and its run."""
     if corpus is None:  # find the ingested corpus by fingerprint (ingest it if it is missing)
         corpus = ingest(cfg.corpus, cfg.paths.artifacts_dir())
@@ -58,25 +64,84 @@ def build_base_stage(cfg: Config, corpus: IngestResult | None = None,
             write_json_atomic(run_file, {"run_id": run_id})
             for split in ("train", "validation"):
                 data = load_from_disk(str(corpus.dataset_dir / split))
-                tracking.log_dataset(corpus.dataset_dir / split, f"{cfg.corpus.name}-{split}",
-                                     corpus.fingerprint, split if split == "validation" else "training",
-                                     dataset=data)
+                tracking.log_dataset(
+                    corpus.dataset_dir / split,
+                    f"{cfg.corpus.name}-{split}",
+                    corpus.fingerprint,
+                    split if split == "validation" else "training",
+                    dataset=data,
+                )
             mlflow.set_tags({"dataset_fingerprint": corpus.fingerprint, "config_hash": p.fingerprint})
         result = build_base(cfg, corpus, p, run_id)
         if run_id:
-            mlflow.log_metrics({k: v for k, v in result.metrics.items()
-                                if isinstance(v, int | float) and math.isfinite(v)})
+            mlflow.log_metrics(
+                {k: v for k, v in result.metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
+            )
             mlflow.set_tags({"reused": str(result.reused), "model_dir": str(result.path)})
             tracking.log_manifest(result.path, read_manifest(result.path))
     m = result.metrics
-    print(f"base: {result.path} ({'reused' if result.reused else 'built'}); validation perplexity "
-          f"{m['initial_val_ppl']:.1f} untrained -> {m['final_val_ppl']:.1f} trained")
+    print(
+        f"base: {result.path} ({'reused' if result.reused else 'built'}); validation perplexity "
+        f"{m['initial_val_ppl']:.1f} untrained -> {m['final_val_ppl']:.1f} trained"
+    )
     return result
 
 
-def run_all(cfg: Config) -> tuple[IngestResult, BaseResult]:
+def synthesize_stage(cfg: Config, pipeline: str = "synthesize") -> SynthResult:
+    """Teacher-tier synthesis r0 -> r1 inside an MLflow run: counts, rejections, tokens, cost,
+    a sample table and the data card."""
+    with tracking.stage_run(cfg, pipeline, "synthesize") as run_id:
+        result = synthesize(
+            cfg.composition, cfg.registers, cfg.teacher, cfg.curation, cfg.paths.artifacts_dir()
+        )
+        if run_id:
+            stats = result.stats
+            if cfg.teacher.backend == "replay":
+                replay = Path(str(cfg.teacher.replay_file))
+                tracking.log_dataset(replay, replay.stem, sha256_file(replay), "teacher_replay")
+            metrics = {
+                "r0": stats["r0"],
+                "r1": stats["r1"],
+                "requested": stats["requested"],
+                "cached": stats["cached"],
+                "prompt_tokens": stats["tokens"]["prompt"],
+                "completion_tokens": stats["tokens"]["completion"],
+                "cost_usd_this_run": stats["cost_usd"]["this_run"],
+                "cost_usd_corpus": stats["cost_usd"]["corpus_total"],
+                **{f"rejected_{k}": v for k, v in stats["rejections"].items()},
+                **{f"r1_{k}": v["r1"] for k, v in stats["per_register"].items()},
+            }
+            if stats["register_accuracy"] is not None:
+                metrics["register_accuracy"] = stats["register_accuracy"]
+            mlflow.log_metrics(metrics)
+            mlflow.set_tags(
+                {
+                    "teacher_backend": stats["backend"],
+                    "teacher_model": stats["model"],
+                    "synth_fingerprint": result.fingerprint,
+                    "reused": str(result.reused),
+                }
+            )
+            mlflow.log_table(
+                {k: [s[k] for s in result.samples] for k in result.samples[0]}
+                if result.samples
+                else {"utterance": []},
+                "samples.json",
+            )
+            mlflow.log_artifact(str(result.path / "README.md"), "data_card")
+            tracking.log_manifest(result.path, read_manifest(result.path))
+    s = result.stats
+    print(
+        f"synthetic: {result.path} ({'reused' if result.reused else 'built'}); r0 {s['r0']}, "
+        f"r1 {s['r1']}; rejected {s['rejections']}"
+    )
+    return result
+
+
+def run_all(cfg: Config) -> tuple[IngestResult, SynthResult, BaseResult]:
     """Every stage in order, each a nested run under one parent run in experiment run_all."""
     with tracking.stage_run(cfg, "run_all", "run_all"):
         corpus = ingest_stage(cfg, pipeline="run_all")
+        synth = synthesize_stage(cfg, pipeline="run_all")
         base = build_base_stage(cfg, corpus, pipeline="run_all")
-    return corpus, base
+    return corpus, synth, base

@@ -109,8 +109,14 @@ def log_config(cfg: Config, stage: str) -> None:
     mlflow.log_params({k: v[:6000] for k, v in params.items()})
     mlflow.log_text(config_yaml(cfg), "config.yaml")
     commit = git_commit(Path(__file__).resolve().parent)
-    mlflow.set_tags({"stage": stage, "git_commit": commit, "mlflow.source.git.commit": commit,
-                     "experiment_preset": cfg.experiment_name})
+    mlflow.set_tags(
+        {
+            "stage": stage,
+            "git_commit": commit,
+            "mlflow.source.git.commit": commit,
+            "experiment_preset": cfg.experiment_name,
+        }
+    )
 
 
 def log_dataset(path: Path, name: str, sha256: str, context: str, dataset: Any = None) -> None:

@@ -8,9 +8,10 @@ from pipelines.entry import pipeline
 
 @pipeline
 def main(cfg: Config) -> None:
-    corpus, base = run_all(cfg)
+    corpus, synth, base = run_all(cfg)
     print("\nProduced:")
     print(f"  corpus dataset + data card  {corpus.path}")
+    print(f"  synthetic r0/r1 + data card {synth.path}")
     print(f"  base model (HF folder)      {base.path}")
     if cfg.tracking.enabled:
         print(f"\nReview the runs:\n  {ui_command(cfg.tracking)}")

@@ -23,8 +23,9 @@ def corpus_dir() -> Path:
     return CORPUS
 
 
-def run_pipeline(name: str, workdir: Path, *overrides: str, check: bool = True,
-                 timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run_pipeline(
+    name: str, workdir: Path, *overrides: str, check: bool = True, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     """Run ``python -m pipelines.<name>`` with its outputs under ``workdir``."""
     cmd = [sys.executable, "-m", f"pipelines.{name}", f"paths.workdir={workdir}", *overrides]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -39,8 +39,12 @@ def test_encodings_are_detected_from_bytes() -> None:
 
 @pytest.mark.parametrize(
     ("raw", "reason"),
-    [(b"", "empty"), (b"  \r\n ", "empty"), (b"\x89PNG\r\n\x1a\n\x00\x00\x00", "binary"),
-     (bytes(range(1, 32)) * 50, "undecodable")],
+    [
+        (b"", "empty"),
+        (b"  \r\n ", "empty"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00", "binary"),
+        (bytes(range(1, 32)) * 50, "undecodable"),
+    ],
 )
 def test_unusable_files_say_why(raw: bytes, reason: str) -> None:
     with pytest.raises(UnusableFile, match=reason):

@@ -10,29 +10,38 @@ from pipelines.entry import precheck
 from tests.conftest import REPO, run_pipeline
 
 
-@pytest.mark.parametrize("overrides", [
-    [], ["experiment=ci_tiny"], ["experiment=demo"], ["model=small"],
-    ["model=gemma4_e4b", "model.name_or_path=/models/gemma", "train=gpu_fsdp"],
-    ["model=pretrained", "model.name_or_path=/models/x", "train=gpu_ddp"],
-    ["experiment=ci_tiny", "train.launcher=torchrun", "train.nproc=2"],
-    ["--multirun", "train.seed=1,2"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["experiment=ci_tiny"],
+        ["experiment=demo"],
+        ["model=small"],
+        ["model=gemma4_e4b", "model.name_or_path=/models/gemma", "train=gpu_fsdp"],
+        ["model=pretrained", "model.name_or_path=/models/x", "train=gpu_ddp"],
+        ["experiment=ci_tiny", "train.launcher=torchrun", "train.nproc=2"],
+        ["--multirun", "train.seed=1,2"],
+    ],
+)
 def test_presets_compose(overrides: list[str]) -> None:
     precheck(overrides)  # raises SystemExit on any problem
 
 
-@pytest.mark.parametrize(("override", "expected"), [
-    ("model.hiden_size=3", "model.hiden_size"),
-    ("+train.foo=1", "train.foo"),
-    ("train.max_steps=abc", "train.max_steps"),
-    ("model=pretrained", "model.name_or_path"),
-    ("corpus.name=???", "corpus.name"),
-    ("train.launcher=mpi", "train.launcher"),
-    ("model=tinyy", "available: gemma4_e4b, pretrained, small, tiny"),
-    ("corpus.include=[nope]", "corpus.include: no work 'nope'"),
-    ("corpus.works.homer_iliad.trait_affinity=[Eros]", "corpus.works.homer_iliad.trait_affinity"),
-    ("train.warmup_steps=1000", "train.warmup_steps"),
-])
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.hiden_size=3", "model.hiden_size"),
+        ("+train.foo=1", "train.foo"),
+        ("train.max_steps=abc", "train.max_steps"),
+        ("model=pretrained", "model.name_or_path"),
+        ("corpus.name=???", "corpus.name"),
+        ("train.launcher=mpi", "train.launcher"),
+        ("model=tinyy", "available: gemma4_e4b, pretrained, small, tiny"),
+        ("corpus.include=[nope]", "corpus.include: no work 'nope'"),
+        ("corpus.works.homer_iliad.trait_affinity=[Eros]", "corpus.works.homer_iliad.trait_affinity"),
+        ("train.warmup_steps=1000", "train.warmup_steps"),
+    ],
+)
 def test_mistakes_fail_with_one_line_naming_the_key(override: str, expected: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         precheck([override])
@@ -45,8 +54,10 @@ def test_mistakes_fail_with_one_line_naming_the_key(override: str, expected: str
 def test_cli_mistake_fails_before_work_without_traceback(tmp_path: Path) -> None:
     proc = run_pipeline("build_base", tmp_path, "model.hiden_size=3", check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: config key 'model.hiden_size': Key 'hiden_size' not in "
-                                   "'ModelConfig' (run with --cfg job to see the composed config)")
+    assert proc.stderr.strip() == (
+        "error: config key 'model.hiden_size': Key 'hiden_size' not in "
+        "'ModelConfig' (run with --cfg job to see the composed config)"
+    )
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "artifacts").exists() and not (tmp_path / "mlflow.db").exists()
 
@@ -60,6 +71,9 @@ def test_cli_missing_corpus_is_one_clear_line(tmp_path: Path) -> None:
 
 
 def test_library_never_imports_hydra() -> None:
-    offenders = [p.name for p in (REPO / "nimmer_train").rglob("*.py")
-                 if "import hydra" in p.read_text() or "from hydra" in p.read_text()]
+    offenders = [
+        p.name
+        for p in (REPO / "nimmer_train").rglob("*.py")
+        if "import hydra" in p.read_text() or "from hydra" in p.read_text()
+    ]
     assert offenders == []

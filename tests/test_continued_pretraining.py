@@ -24,8 +24,9 @@ def _published(workdir: Path) -> Path:
 def test_continue_from_a_trained_base(tiny_run: Path, tmp_path: Path) -> None:
     source = _published(tiny_run)
     before = read_manifest(source)["lineage"]["metrics"]
-    run_pipeline("build_base", tmp_path, *SHORT, "train.lr=5e-4", "model=pretrained",
-                 f"model.name_or_path={source}")
+    run_pipeline(
+        "build_base", tmp_path, *SHORT, "train.lr=5e-4", "model=pretrained", f"model.name_or_path={source}"
+    )
     after = read_manifest(_published(tmp_path))["lineage"]["metrics"]
     # it starts from the trained weights (not random: untrained ppl is ~1000) and keeps learning
     assert after["initial_val_ppl"] == pytest.approx(before["final_val_ppl"], rel=0.05)
@@ -35,16 +36,28 @@ def test_continue_from_a_trained_base(tiny_run: Path, tmp_path: Path) -> None:
 def test_gemma4_preset_trains_in_bf16_with_checkpointing(tiny_run: Path, tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(_published(tiny_run))
     config = Gemma4TextConfig(
-        vocab_size=len(tokenizer), vocab_size_per_layer_input=len(tokenizer), hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32, max_position_embeddings=256, sliding_window=32, hidden_size_per_layer_input=16,
-        layer_types=["sliding_attention", "full_attention"], pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+        vocab_size=len(tokenizer),
+        vocab_size_per_layer_input=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        sliding_window=32,
+        hidden_size_per_layer_input=16,
+        layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
     checkpoint = tmp_path / "gemma4-tiny"
     AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)
-    run_pipeline("build_base", tmp_path / "work", *SHORT, "model=gemma4_e4b",
-                 f"model.name_or_path={checkpoint}")
+    run_pipeline(
+        "build_base", tmp_path / "work", *SHORT, "model=gemma4_e4b", f"model.name_or_path={checkpoint}"
+    )
     folder = _published(tmp_path / "work")
     metrics = read_manifest(folder)["lineage"]["metrics"]
     assert metrics["final_val_ppl"] < metrics["initial_val_ppl"]

@@ -15,8 +15,15 @@ pytestmark = pytest.mark.slow
 
 
 def test_torchrun_two_processes(tmp_path: Path) -> None:
-    run_pipeline("build_base", tmp_path, "experiment=ci_tiny", "train.launcher=torchrun",
-                 "train.nproc=2", "train.max_steps=40", "train.eval_every=20")
+    run_pipeline(
+        "build_base",
+        tmp_path,
+        "experiment=ci_tiny",
+        "train.launcher=torchrun",
+        "train.nproc=2",
+        "train.max_steps=40",
+        "train.eval_every=20",
+    )
     (folder,) = [p for p in (tmp_path / "artifacts/base").iterdir() if not p.name.startswith(".")]
     assert verify_manifest(folder) == []
     metrics = read_manifest(folder)["lineage"]["metrics"]

@@ -35,10 +35,14 @@ def mirror(tmp_path: Path, corpus_dir: Path) -> Iterator[tuple[str, Path]]:
 
 
 def _overrides(base_url: str, dest: Path) -> list[str]:
-    return [f"corpus.source_dir={dest}", f"corpus.include=[{','.join(WORKS)}]",
-            # quoted: braces are Hydra override syntax
-            f"corpus.fetch.url_template='{base_url}/cache/epub/{{gutenberg_id}}/pg{{gutenberg_id}}.txt'",
-            "corpus.fetch.retries=0", *(f"corpus.works.{k}.url=null" for k in WORKS)]
+    return [
+        f"corpus.source_dir={dest}",
+        f"corpus.include=[{','.join(WORKS)}]",
+        # quoted: braces are Hydra override syntax
+        f"corpus.fetch.url_template='{base_url}/cache/epub/{{gutenberg_id}}/pg{{gutenberg_id}}.txt'",
+        "corpus.fetch.retries=0",
+        *(f"corpus.works.{k}.url=null" for k in WORKS),
+    ]
 
 
 def test_fetch_downloads_and_verifies(mirror, tmp_path: Path, corpus_dir: Path) -> None:
@@ -66,6 +70,7 @@ def test_checksum_mismatch_keeps_nothing_and_names_the_file(mirror, tmp_path: Pa
 
 
 def test_unreachable_server_is_reported(tmp_path: Path) -> None:
-    proc = run_pipeline("fetch_corpus", tmp_path, *_overrides("http://127.0.0.1:9", tmp_path / "c"),
-                        check=False)
+    proc = run_pipeline(
+        "fetch_corpus", tmp_path, *_overrides("http://127.0.0.1:9", tmp_path / "c"), check=False
+    )
     assert proc.returncode == 1 and "download from http://127.0.0.1:9/" in proc.stderr

@@ -16,8 +16,16 @@ from nimmer_train.errors import NimmerError
 from nimmer_train.ingest import ingest
 from tests.conftest import REPO
 
-LICENCE_PHRASES = ("project gutenberg", "gutenberg-tm", "full license", "this ebook is for the use",
-                   "end of the project", "*** start of", "*** end of", "www.gutenberg")
+LICENCE_PHRASES = (
+    "project gutenberg",
+    "gutenberg-tm",
+    "full license",
+    "this ebook is for the use",
+    "end of the project",
+    "*** start of",
+    "*** end of",
+    "www.gutenberg",
+)
 
 
 def literary(source_dir: Path, **overrides) -> CorpusConfig:
@@ -72,10 +80,12 @@ def test_split_is_contiguous_per_work_and_leak_free(full) -> None:
 
 def test_chunks_carry_metadata(full) -> None:
     row = load_from_disk(str(full.dataset_dir))["train"][0]
-    assert set(row) >= {"text", "work", "author", "translator", "source_sha256", "license",
-                        "trait_affinity"}
-    proust = next(r for r in load_from_disk(str(full.dataset_dir))["train"].to_list()
-                  if r["work"] == "proust_swanns_way")
+    assert set(row) >= {"text", "work", "author", "translator", "source_sha256", "license", "trait_affinity"}
+    proust = next(
+        r
+        for r in load_from_disk(str(full.dataset_dir))["train"].to_list()
+        if r["work"] == "proust_swanns_way"
+    )
     assert proust["trait_affinity"] == ["Mnemosyne"]
     assert proust["translator"] == "C. K. Scott Moncrieff"
     assert proust["source_sha256"] == "bd53d3258776a2c206f4586de5cf31b99fd8ef5b79a61e8c6bb8750b9bb4dec6"
@@ -84,12 +94,25 @@ def test_chunks_carry_metadata(full) -> None:
 def test_data_card_has_metadata_sections_and_figures(full) -> None:
     card = (full.path / "README.md").read_text()
     meta = yaml.safe_load(card.split("---\n")[1])
-    for key in ("license", "language", "size_categories", "task_categories", "source_datasets",
-                "pretty_name"):
+    for key in (
+        "license",
+        "language",
+        "size_categories",
+        "task_categories",
+        "source_datasets",
+        "pretty_name",
+    ):
         assert key in meta, key
     assert meta["size_categories"] == ["1K<n<10K"]
-    for section in ("Motivation", "Composition", "Collection process", "Preprocessing", "Uses",
-                    "Distribution", "Maintenance"):
+    for section in (
+        "Motivation",
+        "Composition",
+        "Collection process",
+        "Preprocessing",
+        "Uses",
+        "Distribution",
+        "Maintenance",
+    ):
         assert f"## {section}" in card
     assert "<!-- figures" not in card
     assert str(full.stats["chunks"]) in card and "bd53d3258776" in card
@@ -110,18 +133,29 @@ def _tiny_corpus(folder: Path, files: dict[str, bytes]) -> CorpusConfig:
     for name, raw in files.items():
         (folder / name).write_bytes(raw)
         works[name.split(".")[0]] = WorkConfig(file=name, title=name, author="Anon")
-    return CorpusConfig(name="tiny", source_dir=str(folder), works=works, chunk_chars=400,
-                        min_chunk_chars=50, data_card=str(folder / "no-card.md"))
+    return CorpusConfig(
+        name="tiny",
+        source_dir=str(folder),
+        works=works,
+        chunk_chars=400,
+        min_chunk_chars=50,
+        data_card=str(folder / "no-card.md"),
+    )
 
 
 PROSE = ("It was a bright cold day in the city, and the clocks were striking. " * 4 + "\n\n") * 30
 
 
 def test_bad_files_are_skipped_with_named_warnings(tmp_path: Path, caplog) -> None:
-    corpus = _tiny_corpus(tmp_path / "src", {
-        "good.txt": PROSE.encode(), "empty.txt": b"", "image.txt": b"\x89PNG\x00\x00\x01",
-        "cp1252.txt": ("\u201cHello\u201d said the caf\u00e9 owner. " * 40 + "\n\n").encode("cp1252"),
-    })
+    corpus = _tiny_corpus(
+        tmp_path / "src",
+        {
+            "good.txt": PROSE.encode(),
+            "empty.txt": b"",
+            "image.txt": b"\x89PNG\x00\x00\x01",
+            "cp1252.txt": ("\u201cHello\u201d said the caf\u00e9 owner. " * 40 + "\n\n").encode("cp1252"),
+        },
+    )
     absent = WorkConfig(file="absent.txt", title="a", author="b")
     corpus = dataclasses.replace(corpus, works={**corpus.works, "absent": absent})
     with caplog.at_level(logging.WARNING):
@@ -140,7 +174,8 @@ def test_no_usable_text_fails_clearly(tmp_path: Path) -> None:
     with pytest.raises(NimmerError, match="no usable text in .*empty.txt: empty file"):
         ingest(corpus, tmp_path / "artifacts")
     assert not (tmp_path / "artifacts" / "corpus").exists() or not any(
-        (tmp_path / "artifacts" / "corpus").iterdir())
+        (tmp_path / "artifacts" / "corpus").iterdir()
+    )
 
 
 def test_missing_folder_names_it_and_how_to_get_it(tmp_path: Path) -> None:

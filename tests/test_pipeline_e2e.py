@@ -44,8 +44,9 @@ def test_model_folder_is_standard_and_verified(tiny_run: Path) -> None:
     ids = tok("Socrates said", return_tensors="pt").input_ids
     with torch.no_grad():
         assert math.isfinite(model(input_ids=ids, labels=ids).loss.item())
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                   tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
     assert verify_manifest(folder) == ["config.json"]

@@ -17,8 +17,7 @@ from tests.conftest import REPO, run_pipeline
 
 pytestmark = pytest.mark.slow
 
-OVERRIDES = ("experiment=ci_tiny", "train.max_steps=160", "train.checkpoint_every=20",
-             "train.eval_every=80")
+OVERRIDES = ("experiment=ci_tiny", "train.max_steps=160", "train.checkpoint_every=20", "train.eval_every=80")
 
 
 def _manifest(workdir: Path) -> dict:
@@ -39,8 +38,13 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path: Path) -> None:
     run_pipeline("build_base", straight, *OVERRIDES)
 
     cmd = [sys.executable, "-m", "pipelines.build_base", f"paths.workdir={killed}", *OVERRIDES]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     deadline = time.monotonic() + 120
     while not list((killed / "artifacts/base").glob(".work-*/checkpoints/step-000040")):
         assert proc.poll() is None, "build finished before it could be killed"

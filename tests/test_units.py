@@ -19,9 +19,11 @@ def test_tokenizer_special_tokens_and_assistant_mask() -> None:
     tok = train_bpe(TEXTS, vocab_size=400, model_max_length=128)
     assert tok.decode(tok("Françoise").input_ids) == "Françoise"
     assert tok.eos_token == "<|endoftext|>" and tok.pad_token == "<|pad|>"
-    messages = [{"role": "system", "content": "You are a scavenger."},
-                {"role": "user", "content": "Hello"},
-                {"role": "assistant", "content": "Go away."}]
+    messages = [
+        {"role": "system", "content": "You are a scavenger."},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Go away."},
+    ]
     out = tok.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
     spoken = [i for i, m in zip(out["input_ids"], out["assistant_masks"], strict=True) if m]
     assert tok.decode(spoken) == "Go away." + IM_END
@@ -42,8 +44,13 @@ def test_lr_warms_up_then_decays_to_floor() -> None:
 def test_batches_partition_each_epoch_across_ranks() -> None:
     cfg = TrainConfig(micro_batch_size=4, grad_accum_steps=2, max_steps=10, warmup_steps=1)
     n = 48  # one epoch = 3 steps of 16 blocks (2 ranks x 2 micro x 4)
-    seen = [i for step in range(3) for micro in range(2) for rank in range(2)
-            for i in batch_indices(step, micro, cfg, rank, 2, n)]
+    seen = [
+        i
+        for step in range(3)
+        for micro in range(2)
+        for rank in range(2)
+        for i in batch_indices(step, micro, cfg, rank, 2, n)
+    ]
     assert sorted(seen) == list(range(n))
     again = batch_indices(1, 1, cfg, 1, 2, n)
     assert np.array_equal(again, batch_indices(1, 1, cfg, 1, 2, n))

@@ -1,0 +1,183 @@
+"""The structured prompt DSL: one NPC turn as role, trait_vector, affect_state, memory_scope,
+turn_intent, zone_context and output_schema, and its two renderings.
+
+- :func:`render_compact`: chat messages for a model that carries the register LoRA (the system
+  message is the DSL as compact JSON, so :func:`parse_compact` reads it back exactly).
+- :func:`render_projection`: the design's degradation path for models without LoRAs: the trait
+  vector projected into a system message ("You are speaking as ... Respond in JSON matching").
+
+Replies are checked against the turn's ``output_schema`` by :func:`validate_reply`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
+from nimmer_train.registers import Register
+from nimmer_train.traits import TRAIT_AXES, check_vector, describe
+
+MEMORY_LAYERS = ("world", "district", "primary", "clasp")
+
+TURN_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "utterance": {"type": "string", "minLength": 1},
+        "emotion": {"type": "string"},
+        "gesture": {"type": "string"},
+    },
+    "required": ["utterance"],
+    "additionalProperties": False,
+}
+
+
+class PromptError(ValueError):
+    """A DSL object that breaks the schema; the message names the field."""
+
+
+class ReplyError(ValueError):
+    """A reply that does not satisfy the turn's output_schema; ``reason`` classifies it."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class AffectState:
+    mood: str  # one word or short phrase: "wary", "grieving"
+    valence: float = 0.0  # [-1, 1]
+    arousal: float = 0.5  # [0, 1]
+
+
+@dataclass(frozen=True)
+class MemoryScope:
+    layers: tuple[str, ...] = ("world", "district", "primary")  # knowledge-stack layers in reach
+    items: tuple[str, ...] = ()  # remembered lines put before the model
+
+
+@dataclass(frozen=True)
+class TurnPrompt:
+    role: str
+    trait_vector: dict[str, float]
+    affect_state: AffectState
+    memory_scope: MemoryScope
+    turn_intent: str
+    zone_context: str
+    output_schema: dict[str, Any] = field(default_factory=lambda: dict(TURN_SCHEMA))
+    player_utterance: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("role", "turn_intent", "zone_context"):
+            if not str(getattr(self, name)).strip():
+                raise PromptError(f"{name}: must not be empty")
+        try:
+            check_vector(self.trait_vector, "trait_vector")
+        except ValueError as exc:
+            raise PromptError(str(exc)) from exc
+        affect = self.affect_state
+        if not -1.0 <= affect.valence <= 1.0 or not 0.0 <= affect.arousal <= 1.0:
+            raise PromptError(f"affect_state: valence in [-1, 1] and arousal in [0, 1], got {affect}")
+        unknown = [layer for layer in self.memory_scope.layers if layer not in MEMORY_LAYERS]
+        if unknown:
+            raise PromptError(f"memory_scope.layers: unknown {unknown}; known: {', '.join(MEMORY_LAYERS)}")
+        try:
+            Draft202012Validator.check_schema(self.output_schema)
+        except SchemaError as exc:
+            raise PromptError(f"output_schema: not a valid JSON Schema ({exc.message})") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["memory_scope"] = {k: list(v) for k, v in data["memory_scope"].items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TurnPrompt:
+        scope = data.get("memory_scope", {})
+        return cls(
+            role=data["role"],
+            trait_vector={k: float(v) for k, v in data["trait_vector"].items()},
+            affect_state=AffectState(**data["affect_state"]),
+            memory_scope=MemoryScope(tuple(scope.get("layers", ())), tuple(scope.get("items", ()))),
+            turn_intent=data["turn_intent"],
+            zone_context=data["zone_context"],
+            output_schema=data.get("output_schema", dict(TURN_SCHEMA)),
+            player_utterance=data.get("player_utterance", ""),
+        )
+
+
+def _ordered(vector: dict[str, float]) -> list[tuple[str, float]]:
+    return [(axis, vector[axis]) for axis in TRAIT_AXES if axis in vector]
+
+
+def render_compact(prompt: TurnPrompt) -> list[dict[str, str]]:
+    """Chat messages for a model carrying the register LoRA: the DSL as compact JSON."""
+    body = prompt.to_dict()
+    body["trait_vector"] = dict(_ordered(prompt.trait_vector))
+    utterance = body.pop("player_utterance")
+    system = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return [{"role": "system", "content": system}, {"role": "user", "content": utterance}]
+
+
+def parse_compact(messages: list[dict[str, str]]) -> TurnPrompt:
+    """The TurnPrompt that :func:`render_compact` rendered into ``messages``."""
+    data = json.loads(messages[0]["content"])
+    data["player_utterance"] = messages[1]["content"]
+    return TurnPrompt.from_dict(data)
+
+
+def render_projection(prompt: TurnPrompt, register: Register | None = None) -> list[dict[str, str]]:
+    """The trait-projection system message for a model without LoRAs (the design's fallback)."""
+    lines = [f"You are speaking as {prompt.role}, a character with this Hellenic trait-profile:"]
+    lines += [
+        f"- {axis} {value:+.2f} ({describe(axis, value)})" for axis, value in _ordered(prompt.trait_vector)
+    ]
+    if register is not None:
+        lines += [
+            "",
+            f"Your speech reflects this profile via register: {register.register}; "
+            f"cadence: {register.cadence}; word choice: {', '.join(register.word_choice)}.",
+        ]
+    affect = prompt.affect_state
+    lines += [
+        "",
+        f"Affect: {affect.mood} (valence {affect.valence:+.2f}, arousal {affect.arousal:.2f})",
+        f"Current scene: {prompt.zone_context}",
+        f"Memory scope: {', '.join(prompt.memory_scope.layers) or 'none'}",
+    ]
+    lines += [f"- {item}" for item in prompt.memory_scope.items]
+    lines += [
+        f"Turn intent: {prompt.turn_intent}",
+        "",
+        "Speak one turn, in character. Respond in JSON matching: "
+        + json.dumps(prompt.output_schema, separators=(",", ":")),
+    ]
+    return [
+        {"role": "system", "content": "\n".join(lines)},
+        {"role": "user", "content": prompt.player_utterance},
+    ]
+
+
+_FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.S)
+
+
+def validate_reply(text: str | None, schema: dict[str, Any]) -> dict[str, Any]:
+    """Parse a reply as JSON (a ```json fence is tolerated) and check it against ``schema``."""
+    if text is None or not text.strip():
+        raise ReplyError("empty", "the reply is empty")
+    fenced = _FENCE.match(text)
+    try:
+        value = json.loads(fenced.group(1) if fenced else text)
+    except json.JSONDecodeError as exc:
+        raise ReplyError("not_json", f"{exc.msg} at character {exc.pos}") from exc
+    errors = sorted(Draft202012Validator(schema).iter_errors(value), key=lambda e: list(e.path))
+    if errors:
+        where = "/".join(str(p) for p in errors[0].path) or "(root)"
+        raise ReplyError("schema", f"{where}: {errors[0].message}")
+    return value

@@ -1,0 +1,95 @@
+"""The register catalogue: the v1 register trait-LoRAs and everything each one carries.
+
+``conf/registers/<version>.yaml`` is the single source; Hydra jobs receive it as
+``cfg.registers`` and everything else (runtime, federated client) calls :func:`load_catalogue`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import MISSING, OmegaConf
+
+from nimmer_train.errors import ConfigError, NimmerError
+from nimmer_train.traits import check_vector
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "registers"
+
+
+@dataclass
+class VarietyLevel:
+    """What the design's qualitative variety level (very-low ... high) means as sampling knobs."""
+
+    top_k: int = MISSING
+    repetition_penalty: float = MISSING
+    min_p: float = MISSING
+
+
+@dataclass
+class BaselineSampling:
+    """A register's baseline from the design's scene-to-sampling table."""
+
+    temperature: float = MISSING
+    top_p: float = MISSING
+    variety: str = MISSING
+
+
+@dataclass
+class Register:
+    role: str = MISSING  # the NPC role a prompt names ("a caste-preacher of the lower ring")
+    description: str = MISSING
+    register: str = MISSING  # register descriptors
+    cadence: str = MISSING
+    word_choice: list[str] = field(default_factory=list)
+    traits: dict[str, float] = field(default_factory=dict)
+    sampling: BaselineSampling = field(default_factory=BaselineSampling)
+    literary_affinities: list[str] = field(default_factory=list)  # corpus work keys
+    exemplars: list[str] = field(default_factory=list)  # reference lines in the register's voice
+
+
+@dataclass
+class RegistersConfig:
+    version: str = MISSING
+    variety: dict[str, VarietyLevel] = field(default_factory=dict)
+    catalogue: dict[str, Register] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 4 <= len(self.catalogue) <= 6:
+            raise ConfigError("registers.catalogue", f"v1 has 4 to 6 registers, got {len(self.catalogue)}")
+        for name, reg in self.catalogue.items():
+            key = f"registers.catalogue.{name}"
+            try:
+                check_vector(reg.traits, f"{key}.traits")
+            except ValueError as exc:
+                raise ConfigError(f"{key}.traits", str(exc).split(": ", 1)[1]) from exc
+            if reg.sampling.variety not in self.variety:
+                raise ConfigError(
+                    f"{key}.sampling.variety",
+                    f"unknown level {reg.sampling.variety!r}; known: {', '.join(self.variety)}",
+                )
+            if len(reg.exemplars) < 3:
+                raise ConfigError(f"{key}.exemplars", "needs at least 3 exemplar lines")
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.catalogue)
+
+    def get(self, name: str) -> Register:
+        """The register called ``name``; an unknown name fails with the known ones listed."""
+        if name not in self.catalogue:
+            raise NimmerError(
+                f"unknown register {name!r}; known registers ({self.version}): {', '.join(self.catalogue)}"
+            )
+        return self.catalogue[name]
+
+
+def load_catalogue(version: str = "v1", path: Path | None = None) -> RegistersConfig:
+    """Read and validate a catalogue outside Hydra (runtime, federated client, notebooks)."""
+    source = path or CONF_DIR / f"{version}.yaml"
+    if not source.exists():
+        raise NimmerError(f"no register catalogue at {source}")
+    merged = OmegaConf.merge(OmegaConf.structured(RegistersConfig), OmegaConf.load(source))
+    catalogue = OmegaConf.to_object(merged)
+    assert isinstance(catalogue, RegistersConfig)
+    return catalogue

@@ -1,0 +1,64 @@
+"""Run generation requests through the cache and a teacher, with the teacher's concurrency."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+from nimmer_train.composition import GenerationRequest
+from nimmer_train.teacher.base import Teacher, TeacherReply
+from nimmer_train.teacher.cache import ResponseCache
+
+log = logging.getLogger(__name__)
+
+
+def run_requests(
+    requests: list[GenerationRequest], teacher: Teacher, cache: ResponseCache
+) -> Iterator[tuple[GenerationRequest, TeacherReply, bool]]:
+    """Yield (request, reply, from_cache) for every request, in completion order.
+
+    Cached replies come first and cost nothing. Each fresh reply that arrived is written to the
+    cache before it is yielded; failures (timeouts, exhausted retries) are yielded but not cached.
+    At most ``teacher.concurrency`` batches are in flight.
+    """
+    pending = []
+    for request in requests:
+        hit = cache.get(teacher.backend, teacher.model, request.key)
+        if hit is not None:
+            yield request, hit, True
+        else:
+            pending.append(request)
+    if not pending:
+        return
+    log.info(
+        "%d of %d requests cached; asking %s (%s) for %d",
+        len(requests) - len(pending),
+        len(requests),
+        teacher.backend,
+        teacher.model,
+        len(pending),
+    )
+    batches = [pending[i : i + teacher.batch_size] for i in range(0, len(pending), teacher.batch_size)]
+    with ThreadPoolExecutor(max_workers=teacher.concurrency) as pool:
+        queue = iter(batches)
+        running: dict[Future[list[TeacherReply]], list[GenerationRequest]] = {}
+        try:
+            for batch in queue:
+                running[pool.submit(teacher.generate, batch)] = batch
+                if len(running) >= teacher.concurrency:
+                    break
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    batch = running.pop(future)
+                    for request, reply in zip(batch, future.result(), strict=True):
+                        if reply.error is None:
+                            cache.put(teacher.backend, teacher.model, request.key, reply)
+                        yield request, reply, False
+                    nxt = next(queue, None)
+                    if nxt is not None:
+                        running[pool.submit(teacher.generate, nxt)] = nxt
+        finally:
+            for future in running:
+                future.cancel()

@@ -1,0 +1,14 @@
+"""Teacher-tier synthetic dialogue, r0 -> r1: ``python -m pipelines.synthesize [overrides]``."""
+
+from nimmer_train.config import Config
+from nimmer_train.stages import synthesize_stage
+from pipelines.entry import pipeline
+
+
+@pipeline
+def main(cfg: Config) -> None:
+    synthesize_stage(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""A loopback stand-in for OpenAI-compatible and Anthropic chat servers (third parties we cannot
+run here). Tests script its behaviour per request: 429 with Retry-After, 5xx, slow answers,
+malformed bodies, 4xx refusals; it counts every request it receives, by request content."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+Answer = Callable[[dict[str, Any]], str]
+
+
+class LLMServer:
+    def __init__(self, answer: Answer | None = None, latency_s: float = 0.0) -> None:
+        self.answer = answer or (lambda body: json.dumps({"utterance": "We have heard you, citizen."}))
+        self.latency_s = latency_s
+        self.script: list[tuple[int, dict[str, str], str] | str] = []  # consumed one per request
+        self.counts: Counter[str] = Counter()  # by system message content
+        self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server naming
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    server.requests.append(body)
+                    server.headers.append(dict(self.headers))
+                    system = body.get("system") or body["messages"][0]["content"]
+                    server.counts[system] += 1
+                    step = server.script.pop(0) if server.script else None
+                if step == "slow":
+                    time.sleep(3.0)
+                elif server.latency_s:
+                    time.sleep(server.latency_s)
+                if isinstance(step, tuple):
+                    status, headers, text = step
+                    return self._send(status, text.encode(), headers)
+                if step == "malformed":
+                    return self._send(200, b"{not json at all")
+                content = server.answer(body)
+                if self.path.endswith("/v1/messages"):  # Anthropic Messages API
+                    data = {
+                        "content": [{"type": "text", "text": content}],
+                        "usage": {"input_tokens": 40, "output_tokens": 12},
+                    }
+                else:
+                    data = {
+                        "choices": [{"message": {"role": "assistant", "content": content}}],
+                        "usage": {"prompt_tokens": 40, "completion_tokens": 12},
+                    }
+                self._send(200, json.dumps(data).encode())
+
+            def _send(self, status: int, payload: bytes, headers: dict[str, str] | None = None) -> None:
+                try:
+                    self.send_response(status)
+                    for key, value in (headers or {}).items():
+                        self.send_header(key, value)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (timeout test)
+
+        return Handler
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+@contextmanager
+def serve(answer: Answer | None = None, latency_s: float = 0.0) -> Iterator[LLMServer]:
+    server = LLMServer(answer, latency_s)
+    thread = threading.Thread(target=server.httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.httpd.shutdown()
+        server.httpd.server_close()
