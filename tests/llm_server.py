@@ -34,6 +34,7 @@ class LLMServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # one segment per reply: no delayed-ACK stalls
 
             def log_message(self, *args: Any) -> None:
                 pass
