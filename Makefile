@@ -25,6 +25,7 @@ test: install lint
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: install
 	$(BIN)/python -m benchmarks.bench_build_base

@@ -44,21 +44,32 @@ def main() -> None:
     with serve(latency_s=LATENCY_S) as server, tempfile.TemporaryDirectory() as tmp:
         for concurrency in (1, 8, 32):
             n = min(len(requests), 64 if concurrency == 1 else len(requests))
-            cfg = TeacherConfig(backend="openai_compatible", model="bench", base_url=f"{server.url}/v1",
-                                concurrency=concurrency, cache=str(Path(tmp) / "unused.sqlite"))
+            cfg = TeacherConfig(
+                backend="openai_compatible",
+                model="bench",
+                base_url=f"{server.url}/v1",
+                concurrency=concurrency,
+                cache=str(Path(tmp) / "unused.sqlite"),
+            )
             teacher = make_teacher(cfg)
             before = server.total
             start = time.perf_counter()
             replies = [reply for _, reply, _ in run_requests(requests[:n], teacher, NoCache())]
             elapsed = time.perf_counter() - start
             assert all(r.error is None for r in replies) and server.total - before == n
-            report[str(concurrency)] = {"requests": n, "seconds": elapsed, "requests_per_s": n / elapsed,
-                                        "ideal_requests_per_s": concurrency / LATENCY_S}
+            report[str(concurrency)] = {
+                "requests": n,
+                "seconds": elapsed,
+                "requests_per_s": n / elapsed,
+                "ideal_requests_per_s": concurrency / LATENCY_S,
+            }
     base = report["1"]["requests_per_s"]
     for concurrency, row in report.items():
         row["speedup_vs_1"] = row["requests_per_s"] / base
-        print(f"concurrency {concurrency:>2}: {row['requests_per_s']:7.1f} req/s "
-              f"(ideal {row['ideal_requests_per_s']:.0f}; x{row['speedup_vs_1']:.1f} vs concurrency 1)")
+        print(
+            f"concurrency {concurrency:>2}: {row['requests_per_s']:7.1f} req/s "
+            f"(ideal {row['ideal_requests_per_s']:.0f}; x{row['speedup_vs_1']:.1f} vs concurrency 1)"
+        )
     out = Path(__file__).parent / "results" / "bench_teacher.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"latency_s": LATENCY_S, "results": report}, indent=2) + "\n")

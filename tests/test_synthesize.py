@@ -37,9 +37,16 @@ def seed_answers() -> dict[str, str]:
 
 
 def _teacher(url: str, concurrency: int = 2) -> list[str]:
-    return ["teacher=openai_compatible", f"teacher.base_url={url}/v1", "teacher.model=seed-echo",
-            f"teacher.concurrency={concurrency}", "teacher.backoff_base_s=0.01", "teacher.max_retries=1",
-            "teacher.price_in_per_mtok=1.0", "teacher.price_out_per_mtok=2.0"]
+    return [
+        "teacher=openai_compatible",
+        f"teacher.base_url={url}/v1",
+        "teacher.model=seed-echo",
+        f"teacher.concurrency={concurrency}",
+        "teacher.backoff_base_s=0.01",
+        "teacher.max_retries=1",
+        "teacher.price_in_per_mtok=1.0",
+        "teacher.price_out_per_mtok=2.0",
+    ]
 
 
 def _synth_dir(workdir: Path) -> Path:
@@ -50,10 +57,21 @@ def _synth_dir(workdir: Path) -> Path:
 def test_killed_run_resumes_without_asking_twice(tmp_path: Path) -> None:
     answers = seed_answers()
     with serve(lambda body: answers[body["messages"][0]["content"]], latency_s=0.05) as server:
-        cmd = [sys.executable, "-m", "pipelines.synthesize", f"paths.workdir={tmp_path}", TWO,
-               *_teacher(server.url)]
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "pipelines.synthesize",
+            f"paths.workdir={tmp_path}",
+            TWO,
+            *_teacher(server.url),
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
         deadline = time.monotonic() + 120
         while server.total < 40:
             assert proc.poll() is None and time.monotonic() < deadline
@@ -62,7 +80,8 @@ def test_killed_run_resumes_without_asking_twice(tmp_path: Path) -> None:
         proc.wait()
         asked_before = server.total
         assert not (tmp_path / "artifacts/synth").exists() or not any(
-            p for p in (tmp_path / "artifacts/synth").iterdir() if not p.name.startswith("."))
+            p for p in (tmp_path / "artifacts/synth").iterdir() if not p.name.startswith(".")
+        )
 
         run_pipeline("synthesize", tmp_path, TWO, *_teacher(server.url))
         assert len(server.counts) == 128  # every request answered once at least
@@ -88,8 +107,13 @@ def test_bad_replies_are_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
 
     with serve(answer) as server:
         server.script = ["slow"] * 2  # one request never arrives in time (timeout, retried once)
-        run_pipeline("synthesize", tmp_path, "composition.per_register=12", *_teacher(server.url, concurrency=1),
-                     "teacher.timeout_s=0.5")
+        run_pipeline(
+            "synthesize",
+            tmp_path,
+            "composition.per_register=12",
+            *_teacher(server.url, concurrency=1),
+            "teacher.timeout_s=0.5",
+        )
     folder = _synth_dir(tmp_path)
     stats = json.loads((folder / "stats.json").read_text())
     assert stats["r0"] == 60 and stats["rejections"].get("timeout") == 1
