@@ -17,6 +17,7 @@ from nimmer_train.curation import CurationConfig
 from nimmer_train.errors import ConfigError
 from nimmer_train.registers import RegistersConfig
 from nimmer_train.teacher.base import TeacherConfig
+from nimmer_train.train_loras import LoraSettings
 from nimmer_train.traits import TRAIT_AXES
 
 
@@ -121,6 +122,9 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     dtype: str = "float32"  # float32 | bfloat16
     gradient_checkpointing: bool = False
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
 
     def __post_init__(self) -> None:
         if self.tokenizer not in ("train", "pretrained"):
@@ -211,6 +215,7 @@ class Config:
     composition: CompositionConfig = MISSING
     teacher: TeacherConfig = MISSING
     curation: CurationConfig = field(default_factory=CurationConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     def __post_init__(self) -> None:
         """Checks across groups: registers named anywhere exist, affinities name corpus works."""

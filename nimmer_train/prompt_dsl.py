@@ -117,9 +117,14 @@ def _ordered(vector: dict[str, float]) -> list[tuple[str, float]]:
 
 
 def render_compact(prompt: TurnPrompt) -> list[dict[str, str]]:
-    """Chat messages for a model carrying the register LoRA: the DSL as compact JSON."""
+    """Chat messages for a model carrying the register LoRA: the DSL as compact JSON.
+
+    The default turn schema is left out (the LoRA has learnt it); any other schema is spelt out.
+    """
     body = prompt.to_dict()
     body["trait_vector"] = dict(_ordered(prompt.trait_vector))
+    if body["output_schema"] == TURN_SCHEMA:
+        del body["output_schema"]
     utterance = body.pop("player_utterance")
     system = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
     return [{"role": "system", "content": system}, {"role": "user", "content": utterance}]

@@ -33,6 +33,7 @@ from nimmer_train.artifacts import (
 )
 from nimmer_train.composition import CompositionConfig, GenerationRequest, expand
 from nimmer_train.curation import CurationConfig, curate, register_accuracy, rejection_counts
+from nimmer_train.errors import NimmerError
 from nimmer_train.prompt_dsl import render_compact
 from nimmer_train.registers import RegistersConfig
 from nimmer_train.teacher import ResponseCache, TeacherConfig, make_teacher, run_requests
@@ -86,6 +87,25 @@ def synth_fingerprint(
     )
 
 
+def find_synth(
+    spec: CompositionConfig,
+    catalogue: RegistersConfig,
+    teacher_cfg: TeacherConfig,
+    curation: CurationConfig,
+    artifacts: Path,
+) -> SynthResult:
+    """The already-built r0/r1 corpus for this config; a clear error when there is none."""
+    fp = synth_fingerprint(spec, catalogue, teacher_cfg, curation)
+    out = artifacts / "synth" / f"{spec.name}-{fp[:12]}"
+    if not (out / "manifest.json").exists() or verify_manifest(out):
+        raise NimmerError(
+            f"no synthetic corpus at {out}: run `python -m pipelines.synthesize` with the same "
+            "overrides first"
+        )
+    stats = read_manifest(out)["lineage"]["stats"]
+    return SynthResult(out, fp, stats, True, json.loads((out / "samples.json").read_text()))
+
+
 def synthesize(
     spec: CompositionConfig,
     catalogue: RegistersConfig,
@@ -98,8 +118,7 @@ def synthesize(
     out = artifacts / "synth" / f"{spec.name}-{fp[:12]}"
     if (out / "manifest.json").exists() and not verify_manifest(out):
         log.info("synthetic corpus %s is up to date at %s; nothing to do", spec.name, out)
-        stats = read_manifest(out)["lineage"]["stats"]
-        return SynthResult(out, fp, stats, True, json.loads((out / "samples.json").read_text()))
+        return find_synth(spec, catalogue, teacher_cfg, curation, artifacts)
 
     requests = expand(spec, catalogue)
     teacher = make_teacher(teacher_cfg)

@@ -8,11 +8,15 @@ from pipelines.entry import pipeline
 
 @pipeline
 def main(cfg: Config) -> None:
-    corpus, synth, base = run_all(cfg)
+    corpus, synth, base, loras = run_all(cfg)
     print("\nProduced:")
     print(f"  corpus dataset + data card  {corpus.path}")
     print(f"  synthetic r0/r1 + data card {synth.path}")
     print(f"  base model (HF folder)      {base.path}")
+    print(f"  register LoRAs (PEFT)       {loras.root}")
+    if loras.evaluation:
+        ev = loras.evaluation
+        print(f"  register separability {ev.separability:.2f}, mean held-out loss gain {ev.mean_gain:.3f}")
     if cfg.tracking.enabled:
         print(f"\nReview the runs:\n  {ui_command(cfg.tracking)}")
 

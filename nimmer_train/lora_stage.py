@@ -1,0 +1,170 @@
+"""The train_loras stage: one nested MLflow run per register adapter, then the evaluation
+matrix (CSV and image), separability, mean gain and sample generations on the parent run."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+from datasets import load_from_disk
+
+from nimmer_train import tracking
+from nimmer_train.adapters import base_identity
+from nimmer_train.build_base import plan
+from nimmer_train.config import Config
+from nimmer_train.errors import NimmerError
+from nimmer_train.ingest import IngestResult, ingest
+from nimmer_train.synthesize import SynthResult, find_synth
+from nimmer_train.train_loras import (
+    Evaluation,
+    adapter_fingerprint,
+    check_hardware,
+    evaluate,
+    find_adapter,
+    publish_adapter,
+    register_data,
+    train_adapter,
+    work_dir,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoraResult:
+    root: Path
+    adapters: dict[str, Path]
+    skipped: dict[str, str]
+    evaluation: Evaluation | None
+
+
+def train_loras_stage(
+    cfg: Config,
+    corpus: IngestResult | None = None,
+    synth: SynthResult | None = None,
+    base_dir: Path | None = None,
+    pipeline: str = "train_loras",
+) -> LoraResult:
+    settings = cfg.lora
+    check_hardware(settings)
+    artifacts = cfg.paths.artifacts_dir()
+    corpus = corpus or ingest(cfg.corpus, artifacts)
+    synth = synth or find_synth(cfg.composition, cfg.registers, cfg.teacher, cfg.curation, artifacts)
+    base_dir = Path(settings.base_dir) if settings.base_dir else base_dir or plan(cfg, corpus).out
+    if not (base_dir / "manifest.json").exists():
+        raise NimmerError(
+            f"no published base at {base_dir}: run `python -m pipelines.build_base` with the "
+            "same overrides first, or point lora.base_dir at a base folder"
+        )
+    base = base_identity(base_dir)
+    names = settings.registers if settings.registers is not None else cfg.registers.names
+    for name in names:
+        cfg.registers.get(name)  # an unknown register fails here, naming the known ones
+    r1 = load_from_disk(str(synth.path / "r1"))
+    literary = load_from_disk(str(corpus.dataset_dir))
+    root = artifacts / "loras" / base_dir.name
+    adapters: dict[str, Path] = {}
+    heldout = {}
+    skipped: dict[str, str] = {}
+    evaluation = None
+    with tracking.stage_run(cfg, pipeline, "train_loras") as parent:
+        for name in names:
+            register = cfg.registers.get(name)
+            data = register_data(name, register, r1, literary, settings)
+            if data.r1_examples < settings.min_examples:
+                skipped[name] = (
+                    f"{data.r1_examples} r1 conversations < lora.min_examples={settings.min_examples}"
+                )
+                log.warning("skipping register %s: %s", name, skipped[name])
+                continue
+            fp = adapter_fingerprint(
+                name, register, base, {"synth": synth.fingerprint, "corpus": corpus.fingerprint}, settings
+            )
+            out = root / f"{name}-{fp[:12]}"
+            with tracking.stage_run(cfg, pipeline, f"lora {name}") as run_id:
+                existing = find_adapter(out)
+                if existing:
+                    log.info("adapter %s is up to date at %s; not retraining", name, out)
+                else:
+                    logger = tracking.metric_logger(run_id, cfg.tracking.tracking_uri() if run_id else None)
+                    model, metrics = train_adapter(
+                        name, data, base_dir, settings, cfg.model.lora_target_modules, work_dir(out), logger
+                    )
+                    metrics.update(
+                        r1_examples=data.r1_examples,
+                        literary_examples=data.literary_examples,
+                        heldout_examples=len(data.heldout),
+                    )
+                    publish_adapter(
+                        model,
+                        out,
+                        fp,
+                        {
+                            "register": name,
+                            "traits": register.traits,
+                            "base": base,
+                            "datasets": {"synth": synth.fingerprint, "corpus": corpus.fingerprint},
+                            "training_config_hash": fp,
+                            "lora": dataclasses.asdict(settings),
+                            "target_modules": list(cfg.model.lora_target_modules),
+                            "metrics": metrics,
+                        },
+                    )
+                if run_id:
+                    mlflow.log_params(
+                        {"register": name, **{f"traits.{k}": v for k, v in register.traits.items()}}
+                    )
+                    mlflow.set_tags({"adapter_dir": str(out), "reused": str(bool(existing))})
+            adapters[name] = out
+            heldout[name] = data.heldout
+        evaluable = {n: p for n, p in adapters.items() if heldout[n]}
+        if evaluable:
+            evaluation = evaluate(base_dir, evaluable, heldout, cfg.registers, settings)
+            if parent:
+                _log_evaluation(evaluation)
+        if parent:
+            mlflow.set_tags({"base": base["label"], "skipped": str(skipped)})
+    if evaluation:
+        print(
+            f"adapters: {root} ({len(adapters)} registers); separability {evaluation.separability:.2f}, "
+            f"mean loss gain over base {evaluation.mean_gain:.3f}"
+        )
+    return LoraResult(root, adapters, skipped, evaluation)
+
+
+def _log_evaluation(ev: Evaluation) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = ev.rows()
+    header = ["data", "base", *ev.registers]
+    csv = "\n".join([",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]) + "\n"
+    mlflow.log_text(csv, "evaluation/heldout_loss_matrix.csv")
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(header), 1.2 + 0.7 * len(rows)))
+    values = [[r[h] for h in header[1:]] for r in rows]
+    image = ax.imshow(values, cmap="viridis_r")
+    ax.set_xticks(range(len(header) - 1), header[1:], rotation=30, ha="right")
+    ax.set_yticks(range(len(rows)), [r["data"] for r in rows])
+    ax.set_xlabel("adapter (base = no adapter)")
+    ax.set_ylabel("held-out data of register")
+    for i, row in enumerate(values):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white", fontsize=8)
+    fig.colorbar(image, ax=ax, label="held-out loss")
+    fig.tight_layout()
+    mlflow.log_figure(fig, "evaluation/heldout_loss_matrix.png")
+    plt.close(fig)
+    mlflow.log_metrics(
+        {
+            "separability": ev.separability,
+            "mean_loss_gain": ev.mean_gain,
+            **{f"heldout_loss_own.{r}": ev.matrix[r][r] for r in ev.registers},
+            **{f"heldout_loss_base.{r}": ev.base[r] for r in ev.registers},
+        }
+    )
+    mlflow.log_table({k: [s[k] for s in ev.samples] for k in ev.samples[0]}, "evaluation/samples.json")

@@ -1,0 +1,379 @@
+"""Register trait-LoRAs: one PEFT adapter per register, trained with TRL's SFTTrainer on the
+register's r1 conversations plus slices of its literary affinities, then evaluated as a
+register x adapter matrix of held-out losses.
+
+Each adapter lands in ``artifacts/loras/<base>/<register>-<fingerprint>/`` (atomically, with a
+manifest); a finished adapter is never retrained, a killed one resumes from its last Trainer
+checkpoint in the hidden work folder beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, TrainerCallback
+from transformers.trainer_callback import PrinterCallback
+
+from nimmer_train.adapters import METADATA, load_all
+from nimmer_train.artifacts import (
+    atomic_dir,
+    fingerprint,
+    read_manifest,
+    source_fingerprint,
+    verify_manifest,
+    write_json_atomic,
+    write_manifest,
+)
+from nimmer_train.errors import ConfigError, NimmerError
+from nimmer_train.registers import Register, RegistersConfig
+from nimmer_train.sampling import baseline
+
+log = logging.getLogger(__name__)
+
+Conversation = list[dict[str, str]]
+MetricLogger = Callable[[dict[str, float], int], None]
+LORA_VERSION = 1
+
+
+@dataclass
+class LoraSettings:
+    rank: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    quantize_4bit: bool = False  # QLoRA: the base in 4-bit (bitsandbytes, CUDA only)
+    registers: list[str] | None = None  # null: every register in the catalogue
+    lr: float = 1e-3
+    max_steps: int = 100
+    batch_size: int = 8
+    grad_accum_steps: int = 1
+    warmup_steps: int = 5
+    max_length: int = 512
+    save_steps: int = 25
+    min_examples: int = 20  # fewer r1 conversations than this: skip the register with a warning
+    literary_weight: float = 0.25  # literary passages per r1 conversation in the training mix
+    literary_chars: int = 600
+    eval_max_examples: int = 32
+    sample_max_new_tokens: int = 60
+    seed: int = 0
+    base_dir: str | None = None  # a published base folder; null: the one this config builds
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "alpha", "max_steps", "batch_size", "grad_accum_steps", "max_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"lora.{name}", "must be >= 1")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError("lora.dropout", "must be in [0, 1)")
+
+
+def check_hardware(settings: LoraSettings) -> None:
+    """Fail up front when the chosen recipe cannot run here (QLoRA without CUDA/bitsandbytes)."""
+    if not settings.quantize_4bit:
+        return
+    if not torch.cuda.is_available():
+        raise NimmerError(
+            "lora=qlora loads the base in 4-bit with bitsandbytes, which needs a CUDA GPU; "
+            "none is visible here. Use lora=default (fp32 LoRA on CPU, bf16 on CUDA)."
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise NimmerError("lora=qlora needs bitsandbytes: pip install bitsandbytes") from exc
+
+
+@dataclass(frozen=True)
+class RegisterData:
+    train: list[Conversation]
+    heldout: list[Conversation]
+    r1_examples: int
+    literary_examples: int
+
+
+def register_data(
+    name: str, register: Register, r1: Any, corpus: Any, settings: LoraSettings
+) -> RegisterData:
+    """The register's r1 conversations plus literary passages from its affinities (train), and
+    its r1 validation conversations (held out)."""
+    train = [row["messages"] for row in r1["train"] if row["register"] == name]
+    heldout = [row["messages"] for row in r1["validation"] if row["register"] == name]
+    works = set(register.literary_affinities)
+    chunks = [row for row in corpus["train"] if row["work"] in works]
+    n_literary = min(len(chunks), round(settings.literary_weight * len(train)))
+    rng = np.random.default_rng([settings.seed, len(name)])
+    literary = [
+        [
+            {"role": "user", "content": f"Recite a passage from {row['title']} by {row['author']}."},
+            {"role": "assistant", "content": row["text"][: settings.literary_chars]},
+        ]
+        for row in (chunks[i] for i in sorted(rng.choice(len(chunks), n_literary, replace=False)))
+    ]
+    mixed = train + literary
+    order = rng.permutation(len(mixed))
+    return RegisterData(
+        [mixed[i] for i in order], heldout[: settings.eval_max_examples], len(train), n_literary
+    )
+
+
+def adapter_fingerprint(
+    name: str, register: Register, base: dict[str, str], dataset_fps: dict[str, str], settings: LoraSettings
+) -> str:
+    settings_dict = {
+        k: v
+        for k, v in dataclasses.asdict(settings).items()
+        if k not in ("registers", "base_dir", "eval_max_examples", "sample_max_new_tokens", "save_steps")
+    }
+    return fingerprint(
+        {
+            "version": LORA_VERSION,
+            "code": source_fingerprint(sys.modules[__name__]),
+            "register": name,
+            "spec": dataclasses.asdict(register),
+            "base": base["weights_sha256"],
+            "datasets": dataset_fps,
+            "lora": settings_dict,
+        }
+    )
+
+
+class _LogMetrics(TrainerCallback):
+    def __init__(self, log_fn: MetricLogger) -> None:
+        self.log_fn = log_fn
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any
+    ) -> None:
+        keep = {
+            k: float(v)
+            for k, v in (logs or {}).items()
+            if k in ("loss", "learning_rate", "grad_norm", "mean_token_accuracy")
+        }
+        if keep:
+            self.log_fn({("train_loss" if k == "loss" else k): v for k, v in keep.items()}, state.global_step)
+
+
+def train_adapter(
+    name: str,
+    data: RegisterData,
+    base_dir: Path,
+    settings: LoraSettings,
+    target_modules: list[str],
+    work: Path,
+    log_fn: MetricLogger,
+) -> tuple[Any, dict[str, float]]:
+    """Train one LoRA (resuming from ``work``'s latest checkpoint); return (peft model, metrics)."""
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from nimmer_train.adapters import load_base
+
+    cuda = torch.cuda.is_available()
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    if settings.quantize_4bit:
+        from peft import prepare_model_for_kbit_training
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        )
+        model = prepare_model_for_kbit_training(
+            AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quant)
+        )
+    else:
+        model = load_base(base_dir)  # on its device before the adapter is attached
+    args = SFTConfig(
+        output_dir=str(work / "checkpoints"),
+        max_steps=settings.max_steps,
+        per_device_train_batch_size=settings.batch_size,
+        gradient_accumulation_steps=settings.grad_accum_steps,
+        learning_rate=settings.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=settings.warmup_steps,
+        logging_steps=5,
+        save_steps=settings.save_steps,
+        save_total_limit=2,
+        seed=settings.seed,
+        data_seed=settings.seed,
+        assistant_only_loss=True,
+        max_length=settings.max_length,
+        bf16=cuda,
+        gradient_checkpointing=False,
+        use_cpu=not cuda,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    peft_config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(target_modules),
+        task_type="CAUSAL_LM",
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_dict({"messages": data.train}),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[_LogMetrics(log_fn)],
+    )
+    trainer.remove_callback(PrinterCallback)  # metrics go to MLflow, not stdout
+    resume = any((work / "checkpoints").glob("checkpoint-*"))
+    if resume:
+        log.info("%s: resuming from %s", name, max((work / "checkpoints").glob("checkpoint-*")))
+    result = trainer.train(resume_from_checkpoint=True if resume else None)
+    moved = [p for n, p in trainer.model.named_parameters() if "lora_B" in n and p.abs().sum() > 0]
+    if not moved:
+        raise NimmerError(f"{name}: the LoRA weights did not change during training; nothing was learnt")
+    return trainer.model, {"train_loss": float(result.training_loss), "steps": int(trainer.state.global_step)}
+
+
+def encode(
+    tokenizer: PreTrainedTokenizerBase, conversation: Conversation, max_length: int
+) -> dict[str, list[int]]:
+    """Token ids and labels with the loss on assistant turns only (as in training)."""
+    enc = tokenizer.apply_chat_template(
+        conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids, mask = enc["input_ids"][:max_length], enc["assistant_masks"][:max_length]
+    return {"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask, strict=True)]}
+
+
+@torch.no_grad()
+def heldout_loss(model: Any, batch: list[dict[str, list[int]]], pad_id: int) -> float:
+    """Token-weighted mean loss over the assistant tokens of ``batch``."""
+    total, count = 0.0, 0
+    device = next(model.parameters()).device
+    for start in range(0, len(batch), 8):
+        part = batch[start : start + 8]
+        lengths = torch.tensor([len(x["input_ids"]) for x in part], device=device)
+        width = int(lengths.max())
+        ids = torch.tensor(
+            [x["input_ids"] + [pad_id] * (width - len(x["input_ids"])) for x in part], device=device
+        )
+        labels = torch.tensor(
+            [x["labels"] + [-100] * (width - len(x["labels"])) for x in part], device=device
+        )
+        attention = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        target = labels[:, 1:]
+        total += torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), target, ignore_index=-100, reduction="sum"
+        ).item()
+        count += int((target != -100).sum())
+    return total / max(count, 1)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    registers: list[str]
+    base: dict[str, float]  # held-out loss of the bare base, by data register
+    matrix: dict[str, dict[str, float]]  # matrix[data register][adapter register]
+    samples: list[dict[str, str]]
+
+    @property
+    def separability(self) -> float:
+        """Fraction of registers whose own adapter has the lowest held-out loss on their data."""
+        wins = [min(self.matrix[r], key=self.matrix[r].__getitem__) == r for r in self.registers]
+        return sum(wins) / len(wins)
+
+    @property
+    def mean_gain(self) -> float:
+        """Mean over registers of (base loss - own-adapter loss) on the register's held-out data."""
+        return float(np.mean([self.base[r] - self.matrix[r][r] for r in self.registers]))
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [{"data": r, "base": self.base[r], **self.matrix[r]} for r in self.registers]
+
+
+def evaluate(
+    base_dir: Path,
+    adapters: dict[str, Path],
+    heldout: dict[str, list[Conversation]],
+    catalogue: RegistersConfig,
+    settings: LoraSettings,
+) -> Evaluation:
+    """Held-out losses of the base alone and with every adapter, switched per call on one model."""
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = load_all(base_dir, list(adapters.values()))
+    names = list(adapters)
+    base: dict[str, float] = {}
+    matrix: dict[str, dict[str, float]] = {}
+    samples = []
+    for data_reg in names:
+        batch = [encode(tokenizer, c, settings.max_length) for c in heldout[data_reg]]
+        with model.disable_adapter():
+            base[data_reg] = heldout_loss(model, batch, tokenizer.pad_token_id)
+        matrix[data_reg] = {}
+        for adapter in names:
+            model.set_adapter(adapter)
+            matrix[data_reg][adapter] = heldout_loss(model, batch, tokenizer.pad_token_id)
+        samples.append(_sample(model, tokenizer, data_reg, heldout[data_reg][0], catalogue, settings))
+    return Evaluation(names, base, matrix, samples)
+
+
+def _sample(
+    model: Any,
+    tokenizer: Any,
+    register: str,
+    conversation: Conversation,
+    catalogue: RegistersConfig,
+    settings: LoraSettings,
+) -> dict[str, str]:
+    """One generation with the register's adapter at the register's baseline sampling."""
+    model.set_adapter(register)
+    knobs = baseline(catalogue, register)
+    prompt = tokenizer.apply_chat_template(
+        conversation[:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    ).to(next(model.parameters()).device)
+    torch.manual_seed(settings.seed)
+    out = model.generate(
+        **prompt,
+        do_sample=True,
+        temperature=knobs.temperature,
+        top_p=knobs.top_p,
+        top_k=knobs.top_k,
+        repetition_penalty=knobs.repetition_penalty,
+        min_p=knobs.min_p,
+        max_new_tokens=settings.sample_max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    text = tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+    return {
+        "register": register,
+        "player": conversation[-2]["content"],
+        "reference": conversation[-1]["content"],
+        "generated": text,
+    }
+
+
+def publish_adapter(model: Any, out: Path, fp: str, metadata: dict[str, Any]) -> None:
+    """Write the PEFT folder, its binding metadata and manifest; visible only when complete."""
+    with atomic_dir(out) as staging:
+        model.save_pretrained(staging)
+        (staging / "README.md").unlink(missing_ok=True)  # peft's empty model-card template
+        write_json_atomic(staging / METADATA, metadata)
+        write_manifest(
+            staging, "register_adapter", fp, {"register": metadata["register"], "base": metadata["base"]}
+        )
+    shutil.rmtree(work_dir(out), ignore_errors=True)
+
+
+def find_adapter(out: Path) -> dict[str, Any] | None:
+    """The manifest of an intact published adapter at ``out``, else None."""
+    if (out / "manifest.json").exists() and not verify_manifest(out):
+        return read_manifest(out)
+    return None
+
+
+def work_dir(out: Path) -> Path:
+    return out.parent / f".work-{out.name}"

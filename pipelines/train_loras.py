@@ -1,0 +1,15 @@
+"""Train, evaluate and ship one register LoRA per register:
+``python -m pipelines.train_loras registers=v1 [overrides]``."""
+
+from nimmer_train.config import Config
+from nimmer_train.lora_stage import train_loras_stage
+from pipelines.entry import pipeline
+
+
+@pipeline
+def main(cfg: Config) -> None:
+    train_loras_stage(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Register LoRAs on experiment=ci_tiny: plain-peft loading, base binding and refusal, the
+evaluation matrix in MLflow, all adapters on one base, skip and resume, separability."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from nimmer_train.adapters import METADATA, base_identity, check_binding, load_all
+from nimmer_train.artifacts import write_manifest
+from nimmer_train.errors import NimmerError
+from tests.conftest import REPO, run_pipeline
+
+pytestmark = pytest.mark.slow
+TWO = ("hivemind-broadcast", "drunk-scavenger")
+
+
+def _only(folder: Path) -> Path:
+    (found,) = [p for p in folder.iterdir() if not p.name.startswith(".")]
+    return found
+
+
+def _adapters(workdir: Path) -> dict[str, Path]:
+    root = _only(workdir / "artifacts/loras")
+    return {
+        json.loads((p / METADATA).read_text())["register"]: p
+        for p in root.iterdir()
+        if not p.name.startswith(".")
+    }
+
+
+def test_adapters_load_with_plain_peft_and_are_bound_to_their_base(tiny_run: Path, tmp_path: Path) -> None:
+    base_dir = _only(tiny_run / "artifacts/base")
+    adapters = _adapters(tiny_run)
+    assert set(adapters) == set(TWO)
+    for name, folder in adapters.items():
+        assert {"adapter_config.json", "adapter_model.safetensors", METADATA} <= {
+            p.name for p in folder.iterdir()
+        }
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), folder)
+        assert any("lora_A" in n for n, _ in model.named_parameters())
+        meta = json.loads((folder / METADATA).read_text())
+        assert meta["register"] == name and meta["traits"]["Sophrosyne"] != 0
+        assert meta["base"] == base_identity(base_dir)
+        assert set(meta["datasets"]) == {"synth", "corpus"} and meta["training_config_hash"]
+        assert meta["metrics"]["steps"] == 12
+
+    other = tmp_path / "other-base"
+    shutil.copytree(base_dir, other)
+    weights = other / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4] + b"\x00\x00\x00\x01")
+    (other / "manifest.json").unlink()
+    write_manifest(other, "base", "f" * 64, {})
+    folder = adapters["hivemind-broadcast"]
+    with pytest.raises(NimmerError, match=rf"trained on base {base_dir.name} .*not on other-base"):
+        check_binding(folder, other)
+    assert check_binding(folder, other, allow_other_base=True)["register"] == "hivemind-broadcast"
+
+
+def test_all_adapters_on_one_base_switch_per_call(tiny_run: Path) -> None:
+    base_dir = _only(tiny_run / "artifacts/base")
+    model = load_all(base_dir, list(_adapters(tiny_run).values()))
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    outputs = {}
+    with torch.no_grad():
+        for name in TWO:
+            model.set_adapter(name)
+            outputs[name] = model(input_ids=ids).logits
+        with model.disable_adapter():
+            outputs["base"] = model(input_ids=ids).logits
+    assert not torch.allclose(outputs[TWO[0]], outputs[TWO[1]])
+    assert not torch.allclose(outputs[TWO[0]], outputs["base"])
+
+
+def test_evaluation_matrix_and_runs_in_mlflow(tiny_run: Path) -> None:
+    client = MlflowClient(tracking_uri=f"sqlite:///{tiny_run / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("nimmer-run_all")
+    runs = client.search_runs([exp.experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("stage") == "train_loras"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.data.params["register"] for r in children) == sorted(TWO)
+    for child in children:
+        assert len(client.get_metric_history(child.info.run_id, "train_loss")) >= 2
+    assert 0 <= parent.data.metrics["separability"] <= 1 and "mean_loss_gain" in parent.data.metrics
+    files = {a.path for a in client.list_artifacts(parent.info.run_id, "evaluation")}
+    assert files >= {
+        "evaluation/heldout_loss_matrix.csv",
+        "evaluation/heldout_loss_matrix.png",
+        "evaluation/samples.json",
+    }
+    csv = Path(
+        client.download_artifacts(parent.info.run_id, "evaluation/heldout_loss_matrix.csv")
+    ).read_text()
+    header, *rows = csv.strip().splitlines()
+    assert header.split(",") == ["data", "base", *TWO] and len(rows) == 2
+
+
+def test_diagonal_wins_on_clearly_separable_registers(tiny_run: Path, tmp_path: Path) -> None:
+    base_dir = _only(tiny_run / "artifacts/base")
+    common = ("experiment=ci_tiny", "composition.per_register=null", f"lora.base_dir={base_dir}")
+    run_pipeline("synthesize", tmp_path, *common)
+    run_pipeline("train_loras", tmp_path, *common, "lora.max_steps=40", "lora.lr=3e-3")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("nimmer-train_loras")
+    (parent,) = [
+        r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("stage") == "train_loras"
+    ]
+    assert parent.data.metrics["separability"] == 1.0
+    assert parent.data.metrics["mean_loss_gain"] > 0.1
+
+
+def test_killed_adapter_resumes_and_finished_ones_are_not_retrained(tiny_run: Path, tmp_path: Path) -> None:
+    base_dir = _only(tiny_run / "artifacts/base")
+    common = ("experiment=ci_tiny", f"lora.base_dir={base_dir}", "lora.max_steps=24", "lora.save_steps=4")
+    run_pipeline("synthesize", tmp_path, *common)
+    cmd = [sys.executable, "-m", "pipelines.train_loras", f"paths.workdir={tmp_path}", *common]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    loras = tmp_path / "artifacts/loras"
+    deadline = time.monotonic() + 240
+    while True:  # wait until the first adapter is published and the second has a checkpoint
+        published = [p for p in loras.glob("*/*") if not p.name.startswith(".")] if loras.exists() else []
+        checkpoints = (
+            list(loras.glob("*/.work-drunk-scavenger-*/checkpoints/checkpoint-*")) if published else []
+        )
+        if checkpoints:
+            break
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len([p for p in loras.glob("*/*") if not p.name.startswith(".")]) == 1
+
+    rerun = run_pipeline("train_loras", tmp_path, *common)
+    assert "adapter hivemind-broadcast is up to date" in rerun.stdout + rerun.stderr
+    assert "drunk-scavenger: resuming from" in rerun.stdout + rerun.stderr
+    assert set(_adapters(tmp_path)) == set(TWO)
+
+
+def test_registers_with_too_little_data_are_skipped(tiny_run: Path) -> None:
+    proc = run_pipeline("train_loras", tiny_run, "experiment=ci_tiny", "lora.min_examples=1000")
+    out = proc.stdout + proc.stderr
+    assert "skipping register hivemind-broadcast" in out and "lora.min_examples=1000" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_qlora_fails_up_front_without_cuda(tiny_run: Path) -> None:
+    proc = run_pipeline("train_loras", tiny_run, "experiment=ci_tiny", "lora=qlora", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: lora=qlora loads the base in 4-bit")
