@@ -30,6 +30,7 @@ lint: install
 bench: install
 	$(BIN)/python -m benchmarks.bench_build_base
 	$(BIN)/python -m benchmarks.bench_teacher
+	$(BIN)/python -m benchmarks.bench_loras
 
 clean:
 	rm -rf artifacts mlartifacts mlflow.db outputs multirun benchmarks/results
