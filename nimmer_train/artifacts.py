@@ -138,6 +138,13 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return json.loads((folder / MANIFEST).read_text())
 
 
+def intact_manifest(folder: Path) -> dict[str, Any] | None:
+    """The manifest of a published folder whose files all match it, else None."""
+    if (folder / MANIFEST).exists() and not verify_manifest(folder):
+        return read_manifest(folder)
+    return None
+
+
 def verify_manifest(folder: Path) -> list[str]:
     """Files whose bytes no longer match the manifest (empty when the folder is intact)."""
     expected = {row["path"]: row["sha256"] for row in read_manifest(folder)["files"]}

@@ -34,9 +34,8 @@ from nimmer_train.artifacts import (
     atomic_dir,
     fingerprint,
     git_commit,
-    read_manifest,
+    intact_manifest,
     source_fingerprint,
-    verify_manifest,
     write_json_atomic,
     write_manifest,
 )
@@ -96,16 +95,9 @@ def plan(cfg: Config, corpus: IngestResult) -> BasePlan:
     return BasePlan(fp, root / name, root / f".work-{name}")
 
 
-def find_existing(p: BasePlan) -> dict[str, Any] | None:
-    """The manifest of an intact, already-published build, else None."""
-    if (p.out / "manifest.json").exists() and not verify_manifest(p.out):
-        return read_manifest(p.out)
-    return None
-
-
 def build_base(cfg: Config, corpus: IngestResult, p: BasePlan, run_id: str | None) -> BaseResult:
     """Train (or resume) the base described by ``p`` and publish it; reuse it if published."""
-    existing = find_existing(p)
+    existing = intact_manifest(p.out)
     if existing:
         log.info("base %s is up to date; nothing to do", p.out)
         return BaseResult(p.out, p.fingerprint, existing["lineage"]["metrics"], reused=True)

@@ -13,11 +13,9 @@ from pathlib import Path
 from omegaconf import MISSING, OmegaConf
 
 from nimmer_train.composition import CompositionConfig
-from nimmer_train.curation import CurationConfig
 from nimmer_train.errors import ConfigError
 from nimmer_train.registers import RegistersConfig
 from nimmer_train.teacher.base import TeacherConfig
-from nimmer_train.train_loras import LoraSettings
 from nimmer_train.traits import TRAIT_AXES
 
 
@@ -199,6 +197,50 @@ class TrackingConfig:
 
     def tracking_uri(self) -> str:
         return self.uri or f"sqlite:///{Path(self.store).resolve()}"
+
+
+@dataclass
+class CurationConfig:
+    min_words: int = 5
+    max_words: int = 120
+    language: str = "en"
+    near_dup_threshold: float = 0.8
+    leakage_ngram: int = 8
+    consistency_tolerance: float = 0.0  # accept when best rival - own similarity <= this
+    validation_fraction: float = 0.1  # r1 rows held out, chosen by request hash
+    checks: list[str] = field(
+        default_factory=lambda: ["reply", "length", "language", "leakage", "register", "near_duplicate"]
+    )
+
+
+@dataclass
+class LoraSettings:
+    rank: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    quantize_4bit: bool = False  # QLoRA: the base in 4-bit (bitsandbytes, CUDA only)
+    registers: list[str] | None = None  # null: every register in the catalogue
+    lr: float = 1e-3
+    max_steps: int = 100
+    batch_size: int = 8
+    grad_accum_steps: int = 1
+    warmup_steps: int = 5
+    max_length: int = 512
+    save_steps: int = 25
+    min_examples: int = 20  # fewer r1 conversations than this: skip the register with a warning
+    literary_weight: float = 0.25  # literary passages per r1 conversation in the training mix
+    literary_chars: int = 600
+    eval_max_examples: int = 32
+    sample_max_new_tokens: int = 60
+    seed: int = 0
+    base_dir: str | None = None  # a published base folder; null: the one this config builds
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "alpha", "max_steps", "batch_size", "grad_accum_steps", "max_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"lora.{name}", "must be >= 1")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError("lora.dropout", "must be in [0, 1)")
 
 
 @dataclass

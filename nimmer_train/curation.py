@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from sklearn.feature_extraction.text import TfidfVectorizer
 
+from nimmer_train.config import CurationConfig
 from nimmer_train.dedup import find_duplicates
 from nimmer_train.prompt_dsl import ReplyError, validate_reply
 from nimmer_train.registers import RegistersConfig
@@ -62,20 +62,6 @@ LEAK_MARKERS = (
     "as an ai",
 )
 _AXIS_NUMBER = re.compile(rf"\b({'|'.join(TRAIT_AXES)})\b\s*[:=]?\s*[+-]?\d", re.I)
-
-
-@dataclass
-class CurationConfig:
-    min_words: int = 5
-    max_words: int = 120
-    language: str = "en"
-    near_dup_threshold: float = 0.8
-    leakage_ngram: int = 8
-    consistency_tolerance: float = 0.0  # accept when best rival - own similarity <= this
-    validation_fraction: float = 0.1  # r1 rows held out, chosen by request hash
-    checks: list[str] = field(
-        default_factory=lambda: ["reply", "length", "language", "leakage", "register", "near_duplicate"]
-    )
 
 
 def language_scores(text: str) -> dict[str, float]:

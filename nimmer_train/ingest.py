@@ -23,10 +23,9 @@ from nimmer_train import data_card
 from nimmer_train.artifacts import (
     atomic_dir,
     fingerprint,
-    read_manifest,
+    intact_manifest,
     sha256_file,
     source_fingerprint,
-    verify_manifest,
     write_json_atomic,
     write_manifest,
 )
@@ -97,10 +96,10 @@ def ingest(corpus: CorpusConfig, artifacts: Path) -> IngestResult:
     sources = source_files(corpus)
     fp = corpus_fingerprint(corpus, sources)
     out = artifacts / "corpus" / f"{corpus.name}-{fp[:12]}"
-    if (out / "manifest.json").exists() and not verify_manifest(out):
+    manifest = intact_manifest(out)
+    if manifest is not None:
         log.info("corpus %s is up to date at %s; nothing to do", corpus.name, out)
-        stats = read_manifest(out)["lineage"]["stats"]
-        return IngestResult(out, fp, stats, reused=True)
+        return IngestResult(out, fp, manifest["lineage"]["stats"], reused=True)
 
     rows, per_work, skipped = _read_works(corpus, sources)
     if not rows:

@@ -13,6 +13,7 @@ from datasets import load_from_disk
 
 from nimmer_train import tracking
 from nimmer_train.adapters import base_identity
+from nimmer_train.artifacts import intact_manifest
 from nimmer_train.build_base import plan
 from nimmer_train.config import Config
 from nimmer_train.errors import NimmerError
@@ -23,7 +24,6 @@ from nimmer_train.train_loras import (
     adapter_fingerprint,
     check_hardware,
     evaluate,
-    find_adapter,
     publish_adapter,
     register_data,
     train_adapter,
@@ -85,7 +85,7 @@ def train_loras_stage(
             )
             out = root / f"{name}-{fp[:12]}"
             with tracking.stage_run(cfg, pipeline, f"lora {name}") as run_id:
-                existing = find_adapter(out)
+                existing = intact_manifest(out)
                 if existing:
                     log.info("adapter %s is up to date at %s; not retraining", name, out)
                 else:

@@ -24,15 +24,15 @@ from nimmer_train import data_card
 from nimmer_train.artifacts import (
     atomic_dir,
     fingerprint,
-    read_manifest,
+    intact_manifest,
     sha256_file,
     source_fingerprint,
-    verify_manifest,
     write_json_atomic,
     write_manifest,
 )
 from nimmer_train.composition import CompositionConfig, GenerationRequest, expand
-from nimmer_train.curation import CurationConfig, curate, register_accuracy, rejection_counts
+from nimmer_train.config import CurationConfig
+from nimmer_train.curation import curate, register_accuracy, rejection_counts
 from nimmer_train.errors import NimmerError
 from nimmer_train.prompt_dsl import render_compact
 from nimmer_train.registers import RegistersConfig
@@ -95,15 +95,30 @@ def find_synth(
     artifacts: Path,
 ) -> SynthResult:
     """The already-built r0/r1 corpus for this config; a clear error when there is none."""
-    fp = synth_fingerprint(spec, catalogue, teacher_cfg, curation)
-    out = artifacts / "synth" / f"{spec.name}-{fp[:12]}"
-    if not (out / "manifest.json").exists() or verify_manifest(out):
+    found = _existing(spec, catalogue, teacher_cfg, curation, artifacts)
+    if isinstance(found, Path):
         raise NimmerError(
-            f"no synthetic corpus at {out}: run `python -m pipelines.synthesize` with the same "
+            f"no synthetic corpus at {found}: run `python -m pipelines.synthesize` with the same "
             "overrides first"
         )
-    stats = read_manifest(out)["lineage"]["stats"]
-    return SynthResult(out, fp, stats, True, json.loads((out / "samples.json").read_text()))
+    return found
+
+
+def _existing(
+    spec: CompositionConfig,
+    catalogue: RegistersConfig,
+    teacher_cfg: TeacherConfig,
+    curation: CurationConfig,
+    artifacts: Path,
+) -> SynthResult | Path:
+    """The published corpus for this config, or the folder it would be published to."""
+    fp = synth_fingerprint(spec, catalogue, teacher_cfg, curation)
+    out = artifacts / "synth" / f"{spec.name}-{fp[:12]}"
+    manifest = intact_manifest(out)
+    if manifest is None:
+        return out
+    samples = json.loads((out / "samples.json").read_text())
+    return SynthResult(out, fp, manifest["lineage"]["stats"], True, samples)
 
 
 def synthesize(
@@ -114,11 +129,12 @@ def synthesize(
     artifacts: Path,
 ) -> SynthResult:
     """Build (or find) the r0/r1 synthetic corpus for ``spec``."""
+    found = _existing(spec, catalogue, teacher_cfg, curation, artifacts)
+    if isinstance(found, SynthResult):
+        log.info("synthetic corpus %s is up to date at %s; nothing to do", spec.name, found.path)
+        return found
+    out = found
     fp = synth_fingerprint(spec, catalogue, teacher_cfg, curation)
-    out = artifacts / "synth" / f"{spec.name}-{fp[:12]}"
-    if (out / "manifest.json").exists() and not verify_manifest(out):
-        log.info("synthetic corpus %s is up to date at %s; nothing to do", spec.name, out)
-        return find_synth(spec, catalogue, teacher_cfg, curation, artifacts)
 
     requests = expand(spec, catalogue)
     teacher = make_teacher(teacher_cfg)

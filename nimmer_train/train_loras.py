@@ -28,13 +28,12 @@ from nimmer_train.adapters import METADATA, load_all
 from nimmer_train.artifacts import (
     atomic_dir,
     fingerprint,
-    read_manifest,
     source_fingerprint,
-    verify_manifest,
     write_json_atomic,
     write_manifest,
 )
-from nimmer_train.errors import ConfigError, NimmerError
+from nimmer_train.config import LoraSettings
+from nimmer_train.errors import NimmerError
 from nimmer_train.registers import Register, RegistersConfig
 from nimmer_train.sampling import baseline
 
@@ -43,36 +42,6 @@ log = logging.getLogger(__name__)
 Conversation = list[dict[str, str]]
 MetricLogger = Callable[[dict[str, float], int], None]
 LORA_VERSION = 1
-
-
-@dataclass
-class LoraSettings:
-    rank: int = 8
-    alpha: int = 16
-    dropout: float = 0.05
-    quantize_4bit: bool = False  # QLoRA: the base in 4-bit (bitsandbytes, CUDA only)
-    registers: list[str] | None = None  # null: every register in the catalogue
-    lr: float = 1e-3
-    max_steps: int = 100
-    batch_size: int = 8
-    grad_accum_steps: int = 1
-    warmup_steps: int = 5
-    max_length: int = 512
-    save_steps: int = 25
-    min_examples: int = 20  # fewer r1 conversations than this: skip the register with a warning
-    literary_weight: float = 0.25  # literary passages per r1 conversation in the training mix
-    literary_chars: int = 600
-    eval_max_examples: int = 32
-    sample_max_new_tokens: int = 60
-    seed: int = 0
-    base_dir: str | None = None  # a published base folder; null: the one this config builds
-
-    def __post_init__(self) -> None:
-        for name in ("rank", "alpha", "max_steps", "batch_size", "grad_accum_steps", "max_length"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"lora.{name}", "must be >= 1")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError("lora.dropout", "must be in [0, 1)")
 
 
 def check_hardware(settings: LoraSettings) -> None:
@@ -366,13 +335,6 @@ def publish_adapter(model: Any, out: Path, fp: str, metadata: dict[str, Any]) ->
             staging, "register_adapter", fp, {"register": metadata["register"], "base": metadata["base"]}
         )
     shutil.rmtree(work_dir(out), ignore_errors=True)
-
-
-def find_adapter(out: Path) -> dict[str, Any] | None:
-    """The manifest of an intact published adapter at ``out``, else None."""
-    if (out / "manifest.json").exists() and not verify_manifest(out):
-        return read_manifest(out)
-    return None
 
 
 def work_dir(out: Path) -> Path:

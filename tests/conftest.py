@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,3 +45,26 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path
     workdir = tmp_path_factory.mktemp("tiny_run")
     run_pipeline("run_all", workdir, "experiment=ci_tiny")
     return workdir
+
+
+def kill_when(
+    name: str, workdir: Path, *overrides: str, ready: Callable[[], bool], timeout: float = 240
+) -> None:
+    """Start ``pipelines.<name>`` and SIGKILL it the moment ``ready()`` holds (it must still run)."""
+    cmd = [sys.executable, "-m", f"pipelines.{name}", f"paths.workdir={workdir}", *overrides]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready():
+            assert proc.poll() is None, f"{name} finished before it could be killed"
+            assert time.monotonic() < deadline, f"{name}: not ready to be killed after {timeout} s"
+            time.sleep(0.01)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()

@@ -4,12 +4,7 @@ evaluation matrix in MLflow, all adapters on one base, skip and resume, separabi
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from nimmer_train.adapters import METADATA, base_identity, check_binding, load_all
 from nimmer_train.artifacts import write_manifest
 from nimmer_train.errors import NimmerError
-from tests.conftest import REPO, run_pipeline
+from tests.conftest import kill_when, run_pipeline
 
 pytestmark = pytest.mark.slow
 TWO = ("hivemind-broadcast", "drunk-scavenger")
@@ -125,27 +120,13 @@ def test_killed_adapter_resumes_and_finished_ones_are_not_retrained(tiny_run: Pa
     base_dir = _only(tiny_run / "artifacts/base")
     common = ("experiment=ci_tiny", f"lora.base_dir={base_dir}", "lora.max_steps=24", "lora.save_steps=4")
     run_pipeline("synthesize", tmp_path, *common)
-    cmd = [sys.executable, "-m", "pipelines.train_loras", f"paths.workdir={tmp_path}", *common]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
     loras = tmp_path / "artifacts/loras"
-    deadline = time.monotonic() + 240
-    while True:  # wait until the first adapter is published and the second has a checkpoint
-        published = [p for p in loras.glob("*/*") if not p.name.startswith(".")] if loras.exists() else []
-        checkpoints = (
-            list(loras.glob("*/.work-drunk-scavenger-*/checkpoints/checkpoint-*")) if published else []
-        )
-        if checkpoints:
-            break
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+
+    def first_done_second_checkpointed() -> bool:
+        published = [p for p in loras.glob("*/*") if not p.name.startswith(".")]
+        return bool(published and list(loras.glob("*/.work-drunk-scavenger-*/checkpoints/checkpoint-*")))
+
+    kill_when("train_loras", tmp_path, *common, ready=first_done_second_checkpointed)
     assert len([p for p in loras.glob("*/*") if not p.name.startswith(".")]) == 1
 
     rerun = run_pipeline("train_loras", tmp_path, *common)

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from nimmer_train.artifacts import read_manifest
-from tests.conftest import REPO, run_pipeline
+from tests.conftest import kill_when, run_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -37,21 +32,12 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path: Path) -> None:
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_pipeline("build_base", straight, *OVERRIDES)
 
-    cmd = [sys.executable, "-m", "pipelines.build_base", f"paths.workdir={killed}", *OVERRIDES]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    kill_when(
+        "build_base",
+        killed,
+        *OVERRIDES,
+        ready=lambda: bool(list((killed / "artifacts/base").glob(".work-*/checkpoints/step-000040"))),
     )
-    deadline = time.monotonic() + 120
-    while not list((killed / "artifacts/base").glob(".work-*/checkpoints/step-000040")):
-        assert proc.poll() is None, "build finished before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
     published = [p for p in (killed / "artifacts/base").iterdir() if not p.name.startswith(".")]
     assert published == []  # no half-written model is visible
 

@@ -4,11 +4,6 @@ paying twice (counted on the server), bad replies recorded while the run goes on
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from nimmer_train.composition import expand
 from nimmer_train.registers import load_catalogue
 from tests.compose import composition
-from tests.conftest import REPO, run_pipeline
+from tests.conftest import REPO, kill_when, run_pipeline
 from tests.llm_server import serve
 
 pytestmark = pytest.mark.slow
@@ -57,27 +52,7 @@ def _synth_dir(workdir: Path) -> Path:
 def test_killed_run_resumes_without_asking_twice(tmp_path: Path) -> None:
     answers = seed_answers()
     with serve(lambda body: answers[body["messages"][0]["content"]], latency_s=0.05) as server:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pipelines.synthesize",
-            f"paths.workdir={tmp_path}",
-            TWO,
-            *_teacher(server.url),
-        ]
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )
-        deadline = time.monotonic() + 120
-        while server.total < 40:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kill_when("synthesize", tmp_path, TWO, *_teacher(server.url), ready=lambda: server.total >= 40)
         asked_before = server.total
         assert not (tmp_path / "artifacts/synth").exists() or not any(
             p for p in (tmp_path / "artifacts/synth").iterdir() if not p.name.startswith(".")
