@@ -145,7 +145,7 @@ def _log_evaluation(ev: Evaluation) -> None:
     header = ["data", "base", *ev.registers]
     csv = "\n".join([",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]) + "\n"
     mlflow.log_text(csv, "evaluation/heldout_loss_matrix.csv")
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(header), 1.2 + 0.7 * len(rows)))
+    fig, ax = plt.subplots(figsize=(1.5 + 0.9 * len(header), 1.5 + 0.6 * len(rows)))
     values = [[r[h] for h in header[1:]] for r in rows]
     image = ax.imshow(values, cmap="viridis_r")
     ax.set_xticks(range(len(header) - 1), header[1:], rotation=30, ha="right")
@@ -157,7 +157,9 @@ def _log_evaluation(ev: Evaluation) -> None:
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white", fontsize=8)
     fig.colorbar(image, ax=ax, label="held-out loss")
     fig.tight_layout()
-    mlflow.log_figure(fig, "evaluation/heldout_loss_matrix.png")
+    mlflow.log_figure(
+        fig, "evaluation/heldout_loss_matrix.png", save_kwargs={"bbox_inches": "tight", "dpi": 120}
+    )
     plt.close(fig)
     mlflow.log_metrics(
         {

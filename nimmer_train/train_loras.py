@@ -10,6 +10,7 @@ checkpoint in the hidden work folder beside it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
 import sys
@@ -196,14 +197,28 @@ def train_adapter(
         callbacks=[_LogMetrics(log_fn)],
     )
     trainer.remove_callback(PrinterCallback)  # metrics go to MLflow, not stdout
-    resume = any((work / "checkpoints").glob("checkpoint-*"))
+    resume = latest_complete_checkpoint(work / "checkpoints")
     if resume:
-        log.info("%s: resuming from %s", name, max((work / "checkpoints").glob("checkpoint-*")))
-    result = trainer.train(resume_from_checkpoint=True if resume else None)
+        log.info("%s: resuming from %s", name, resume)
+    result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     moved = [p for n, p in trainer.model.named_parameters() if "lora_B" in n and p.abs().sum() > 0]
     if not moved:
         raise NimmerError(f"{name}: the LoRA weights did not change during training; nothing was learnt")
     return trainer.model, {"train_loss": float(result.training_loss), "steps": int(trainer.state.global_step)}
+
+
+def latest_complete_checkpoint(folder: Path) -> Path | None:
+    """The newest Trainer checkpoint that was written to the end (its trainer_state.json, saved
+    last, parses); half-written ones left by a killed run are removed."""
+    complete = []
+    for checkpoint in folder.glob("checkpoint-*"):
+        try:
+            json.loads((checkpoint / "trainer_state.json").read_text())
+            complete.append(checkpoint)
+        except (OSError, ValueError):
+            log.warning("removing incomplete checkpoint %s", checkpoint)
+            shutil.rmtree(checkpoint, ignore_errors=True)
+    return max(complete, key=lambda p: int(p.name.rsplit("-", 1)[1]), default=None)
 
 
 def encode(

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from nimmer_train.adapters import METADATA, base_identity, check_binding, load_all
 from nimmer_train.artifacts import write_manifest
 from nimmer_train.errors import NimmerError
+from nimmer_train.train_loras import latest_complete_checkpoint
 from tests.conftest import kill_when, run_pipeline
 
 pytestmark = pytest.mark.slow
@@ -124,7 +125,8 @@ def test_killed_adapter_resumes_and_finished_ones_are_not_retrained(tiny_run: Pa
 
     def first_done_second_checkpointed() -> bool:
         published = [p for p in loras.glob("*/*") if not p.name.startswith(".")]
-        return bool(published and list(loras.glob("*/.work-drunk-scavenger-*/checkpoints/checkpoint-*")))
+        done = loras.glob("*/.work-drunk-scavenger-*/checkpoints/checkpoint-*/trainer_state.json")
+        return bool(published and list(done))
 
     kill_when("train_loras", tmp_path, *common, ready=first_done_second_checkpointed)
     assert len([p for p in loras.glob("*/*") if not p.name.startswith(".")]) == 1
@@ -133,6 +135,17 @@ def test_killed_adapter_resumes_and_finished_ones_are_not_retrained(tiny_run: Pa
     assert "adapter hivemind-broadcast is up to date" in rerun.stdout + rerun.stderr
     assert "drunk-scavenger: resuming from" in rerun.stdout + rerun.stderr
     assert set(_adapters(tmp_path)) == set(TWO)
+
+
+def test_half_written_checkpoints_are_not_resumed_from(tmp_path: Path) -> None:
+    for step, complete in ((4, True), (8, True), (12, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "adapter_model.safetensors").write_bytes(b"x")
+        if complete:
+            (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    assert latest_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-8"
+    assert not (tmp_path / "checkpoint-12").exists()
 
 
 def test_registers_with_too_little_data_are_skipped(tiny_run: Path) -> None:
