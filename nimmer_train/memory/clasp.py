@@ -1,0 +1,27 @@
+"""The clasp channel: the only module that may open clasp.sqlite.
+
+clasp.sqlite holds the in-between intimate channel. It is read for one purpose, retrieval in
+IN_BETWEEN mode, and written only by turns spoken in that mode. No export, sync, upload or
+training reader may open it: nothing outside this module names the file, and
+tests/test_memory.py scans the package to keep it that way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import apsw
+
+from nimmer_train.memory.db import connect, migrate
+from nimmer_train.memory.entries import MEMORY_SCHEMA_V1
+
+CLASP_FILE = "clasp.sqlite"
+MIGRATIONS = (MEMORY_SCHEMA_V1,)
+
+
+def open_clasp(folder: Path) -> apsw.Connection:
+    """The player's clasp store, for in-between retrieval and in-between writes only."""
+    path = folder / CLASP_FILE
+    db = connect(path)
+    migrate(db, MIGRATIONS, path)
+    return db

@@ -1,0 +1,229 @@
+"""One player's memory on the device: writes embedded at write time, mode-aware retrieval.
+
+A player folder holds primary.sqlite (working memory, vector-indexed with sqlite-vec) and, for
+the in-between mode only, clasp.sqlite (through :mod:`nimmer_train.memory.clasp`). In REALWORLD
+mode retrieval reads primary only and writes go to primary; in IN_BETWEEN mode retrieval reads
+primary and clasp, and new writes go to clasp.
+
+Retrieval score (Park et al. 2023, "Generative Agents", section 4.1: recency, importance and
+relevance, equally weighted by default)::
+
+    score = w_rel * relevance + w_imp * importance + w_rec * recency
+    relevance = max(0, cosine similarity of query and entry)
+    recency   = 0.995 ** hours since the entry was last accessed (or written)
+    importance in [0, 1] as stored
+
+Candidates are the ``candidate_factor * k`` nearest entries by cosine distance that pass the
+class and category filters (sqlite-vec KNN); they are re-ranked by the score and the top k are
+returned and their access count and last access updated.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import apsw
+import numpy as np
+
+from nimmer_train.embedding import Embedder
+from nimmer_train.memory.clasp import open_clasp
+from nimmer_train.memory.db import connect, migrate
+from nimmer_train.memory.entries import (
+    COLUMNS,
+    EMBEDDING_DIM,
+    MEMORY_SCHEMA_V1,
+    InvalidEntry,
+    MemoryEntry,
+    clean_text,
+    validate,
+)
+
+PRIMARY_FILE = "primary.sqlite"
+CONSENT_SCHEMA_V1 = """
+CREATE TABLE player_data_sharing_consent (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    sharing_tier TEXT NOT NULL DEFAULT 'opt_out',
+    data_categories_shared TEXT NOT NULL DEFAULT '[]',
+    excluded_categories TEXT NOT NULL DEFAULT '[]',
+    granted_at REAL,
+    revoked_at REAL
+);
+"""
+PRIMARY_MIGRATIONS = (MEMORY_SCHEMA_V1 + CONSENT_SCHEMA_V1,)
+Clock = Callable[[], float]
+
+
+class Mode(enum.Enum):
+    REALWORLD = "realworld"
+    IN_BETWEEN = "in_between"
+
+
+@dataclass(frozen=True)
+class Weights:
+    relevance: float = 1.0
+    importance: float = 1.0
+    recency: float = 1.0
+    recency_decay_per_hour: float = 0.995
+    candidate_factor: int = 5
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    entry: MemoryEntry
+    store: str  # "primary" or "clasp"
+    score: float
+    relevance: float
+    recency: float
+
+
+class PlayerMemory:
+    """The stores of one player, in ``folder``. ``clock`` is injectable for deterministic tests."""
+
+    def __init__(
+        self,
+        folder: Path,
+        embedder: Embedder,
+        clock: Clock = time.time,
+        max_chars: int = 4000,
+        weights: Weights = Weights(),
+    ) -> None:
+        if embedder.dim != EMBEDDING_DIM:
+            raise InvalidEntry(
+                f"embedder {embedder.name} gives {embedder.dim}-dim vectors; the stores hold {EMBEDDING_DIM}"
+            )
+        self.folder, self.embedder, self.clock = folder, embedder, clock
+        self.max_chars, self.weights = max_chars, weights
+        path = folder / PRIMARY_FILE
+        self.primary = connect(path)
+        migrate(self.primary, PRIMARY_MIGRATIONS, path)
+        self._clasp: apsw.Connection | None = None
+
+    def _store(self, name: str) -> apsw.Connection:
+        if name == "primary":
+            return self.primary
+        if self._clasp is None:
+            self._clasp = open_clasp(self.folder)
+        return self._clasp
+
+    def write(
+        self,
+        text: str | bytes,
+        speaker: str,
+        memory_class: str,
+        data_category: str,
+        mode: Mode = Mode.REALWORLD,
+        **fields: object,
+    ) -> MemoryEntry:
+        """Validate, embed and store one entry in one transaction; invalid input changes nothing."""
+        now = self.clock()
+        if mode is Mode.IN_BETWEEN:
+            data_category = "clasp"  # what is said in the in-between belongs to the clasp channel
+        entry = MemoryEntry(
+            event_uid=str(fields.pop("event_uid", uuid.uuid4())),
+            text=clean_text(text, self.max_chars),
+            speaker=speaker,
+            memory_class=memory_class,
+            data_category=data_category,
+            created_at=now,
+            updated_at=now,
+            **fields,
+        )  # type: ignore[arg-type]
+        validate(entry)
+        vector = self.embedder.embed([entry.text])[0]
+        db = self._store("clasp" if mode is Mode.IN_BETWEEN else "primary")
+        with db:
+            db.execute(
+                f"INSERT INTO entries ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
+                entry.row(),
+            )
+            rowid = db.last_insert_rowid()
+            db.execute(
+                "INSERT INTO entries_vec (rowid, embedding, memory_class, data_category) VALUES (?, ?, ?, ?)",
+                (rowid, vector.astype(np.float32).tobytes(), entry.memory_class, entry.data_category),
+            )
+        return entry
+
+    def retrieve(
+        self,
+        query: str,
+        k: int = 8,
+        mode: Mode = Mode.REALWORLD,
+        classes: Iterable[str] | None = None,
+        categories: Iterable[str] | None = None,
+    ) -> list[Retrieved]:
+        """The top ``k`` entries for ``query`` by the combined score, from the stores ``mode`` allows."""
+        vector = self.embedder.embed([query])[0].astype(np.float32).tobytes()
+        stores = ["primary", "clasp"] if mode is Mode.IN_BETWEEN else ["primary"]
+        now = self.clock()
+        found: list[tuple[Retrieved, int]] = []
+        for name in stores:
+            for rowid, distance, row in self._candidates(self._store(name), vector, k, classes, categories):
+                entry = MemoryEntry.from_row(row)
+                relevance = max(0.0, 1.0 - distance)
+                hours = max(0.0, now - (entry.last_access or entry.created_at)) / 3600
+                recency = self.weights.recency_decay_per_hour**hours
+                score = (
+                    self.weights.relevance * relevance
+                    + self.weights.importance * entry.importance
+                    + self.weights.recency * recency
+                )
+                found.append((Retrieved(entry, name, score, relevance, recency), rowid))
+        found.sort(key=lambda item: (-item[0].score, item[0].entry.event_uid))
+        top = found[:k]
+        for name in stores:
+            ids = [rowid for hit, rowid in top if hit.store == name]
+            if ids:
+                db = self._store(name)
+                with db:
+                    db.executemany(
+                        "UPDATE entries SET access_count = access_count + 1, last_access = ? WHERE id = ?",
+                        [(now, i) for i in ids],
+                    )
+        return [
+            replace(hit, entry=replace(hit.entry, access_count=hit.entry.access_count + 1, last_access=now))
+            for hit, _ in top
+        ]
+
+    def _candidates(
+        self,
+        db: apsw.Connection,
+        vector: bytes,
+        k: int,
+        classes: Iterable[str] | None,
+        categories: Iterable[str] | None,
+    ) -> list[tuple[int, float, tuple]]:
+        where, params = ["embedding MATCH ?", "k = ?"], [vector, k * self.weights.candidate_factor]
+        for column, values in (("memory_class", classes), ("data_category", categories)):
+            if values is not None:
+                values = list(values)
+                if not values:
+                    return []
+                where.append(f"{column} IN ({', '.join('?' * len(values))})")
+                params += values
+        hits = db.execute(
+            f"SELECT rowid, distance FROM entries_vec WHERE {' AND '.join(where)}", params
+        ).fetchall()
+        out = []
+        for rowid, distance in hits:
+            row = db.execute(f"SELECT {', '.join(COLUMNS)} FROM entries WHERE id = ?", (rowid,)).fetchone()
+            out.append((rowid, distance, row))
+        return out
+
+    def entries(self, categories: Iterable[str] | None = None) -> list[MemoryEntry]:
+        """Every primary entry (optionally of some categories). Never reads clasp.sqlite."""
+        sql, params = f"SELECT {', '.join(COLUMNS)} FROM entries", []
+        if categories is not None:
+            values = list(categories)
+            sql += f" WHERE data_category IN ({', '.join('?' * len(values))})" if values else " WHERE 0"
+            params = values
+        return [MemoryEntry.from_row(row) for row in self.primary.execute(sql + " ORDER BY id", params)]
+
+    def close(self) -> None:
+        self.primary.close()
+        if self._clasp is not None:
+            self._clasp.close()

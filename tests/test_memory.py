@@ -1,0 +1,182 @@
+"""Player memory stores: writes, validation, mode-aware retrieval, the clasp boundary, consent,
+and crash durability."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nimmer_train.embedding import SentenceEmbedder
+from nimmer_train.memory.consent import TIERS, ConsentRecord, set_consent, training_examples
+from nimmer_train.memory.entries import DATA_CATEGORIES, MEMORY_CLASSES, InvalidEntry
+from nimmer_train.memory.store import Mode, PlayerMemory
+from tests.conftest import REPO
+from tests.memory_helpers import Clock, HashEmbedder
+
+EMBED = HashEmbedder()
+
+
+def _memory(folder: Path, clock: Clock | None = None) -> PlayerMemory:
+    return PlayerMemory(folder, EMBED, clock=clock or Clock())
+
+
+def test_real_embeddings_retrieve_by_meaning(tmp_path: Path) -> None:
+    memory = PlayerMemory(tmp_path / "p1", SentenceEmbedder(), clock=Clock())
+    for text in (
+        "The ration line moved to the east gate last week.",
+        "Ilse sold me buttons at the market and laughed.",
+        "The wardens doubled the night patrols near the cisterns.",
+    ):
+        memory.write(text, "npc:preacher", "working", "casual_dialog")
+    top = memory.retrieve("Who was selling things at the market?", k=1)
+    assert top[0].entry.text.startswith("Ilse sold me buttons") and top[0].store == "primary"
+    assert memory.retrieve("guards walking at night", k=1)[0].entry.text.startswith("The wardens")
+    assert top[0].entry.access_count == 1
+
+
+def test_combined_score_prefers_important_and_recent(tmp_path: Path) -> None:
+    clock = Clock()
+    memory = _memory(tmp_path / "p", clock)
+    memory.write("the copper coil went missing", "npc", "working", "casual_dialog", importance=0.1)
+    clock.now += 3600 * 200  # 200 hours later
+    memory.write("the copper coil went missing!", "npc", "working", "casual_dialog", importance=0.9)
+    hits = memory.retrieve("copper coil missing", k=2)
+    assert [h.entry.importance for h in hits] == [0.9, 0.1]
+    assert hits[0].recency == pytest.approx(1.0) and hits[1].recency == pytest.approx(0.995**200)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("", "text: empty"),
+        ("   ", "text: empty"),
+        ("x" * 5000, "over the limit of 4000"),
+        (b"\xff\xfe bad", "invalid UTF-8"),
+        ("lone \ud800 surrogate", "lone surrogate"),
+    ],
+)
+def test_bad_text_is_rejected_and_nothing_changes(tmp_path: Path, text: str | bytes, field: str) -> None:
+    memory = _memory(tmp_path / "p")
+    memory.write("kept", "npc", "working", "casual_dialog")
+    with pytest.raises(InvalidEntry, match=re.escape(field)):
+        memory.write(text, "npc", "working", "casual_dialog")
+    assert [e.text for e in memory.entries()] == ["kept"]
+
+
+def test_bad_fields_are_rejected(tmp_path: Path) -> None:
+    memory = _memory(tmp_path / "p")
+    with pytest.raises(InvalidEntry, match="memory_class"):
+        memory.write("x", "npc", "eternal", "casual_dialog")
+    with pytest.raises(InvalidEntry, match="trait_engagement: unknown trait axis 'Eros'"):
+        memory.write("x", "npc", "working", "casual_dialog", trait_engagement={"Eros": 1.0})
+    assert memory.entries() == []
+
+
+def test_only_the_clasp_module_opens_the_clasp_store() -> None:
+    allowed = {"nimmer_train/memory/clasp.py": "defines", "nimmer_train/memory/store.py": "in-between path"}
+    pattern = re.compile(r"clasp\.sqlite|CLASP_FILE|open_clasp")
+    offenders = []
+    for folder in ("nimmer_train", "pipelines", "federated", "benchmarks"):
+        for path in (REPO / folder).rglob("*.py") if (REPO / folder).exists() else []:
+            rel = path.relative_to(REPO).as_posix()
+            if pattern.search(path.read_text()) and rel not in allowed:
+                offenders.append(rel)
+    assert offenders == []
+    store = (REPO / "nimmer_train/memory/store.py").read_text()
+    assert store.count("open_clasp(") == 1  # the one lazy opener behind Mode.IN_BETWEEN
+
+
+entries = st.lists(
+    st.tuples(
+        st.sampled_from(DATA_CATEGORIES),
+        st.sampled_from(MEMORY_CLASSES),
+        st.sampled_from(list(Mode)),
+        st.sampled_from(["Marta", "npc:scav", "marta-77"]),
+    ),
+    min_size=1,
+    max_size=12,
+)
+records = st.builds(
+    ConsentRecord,
+    st.sampled_from(TIERS),
+    st.lists(st.sampled_from(DATA_CATEGORIES)).map(tuple),
+    st.lists(st.sampled_from(DATA_CATEGORIES)).map(tuple),
+    st.none(),
+    st.none() | st.just(1.0),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=entries, record=records, tier=st.sampled_from(TIERS))
+def test_consent_never_leaks_clasp_excluded_or_identity(tmp_path_factory, rows, record, tier) -> None:
+    memory = _memory(tmp_path_factory.mktemp("player"))
+    for i, (category, klass, mode, speaker) in enumerate(rows):
+        memory.write(f"Marta (marta-77) said line {i} about {category}", speaker, klass, category, mode=mode)
+    set_consent(memory, record)
+    shared = training_examples(memory, tier, player_id="marta-77", player_name="Marta")
+    if (
+        tier != record.sharing_tier
+        or record.sharing_tier in ("opt_out", "A3_pseudonymous_full")
+        or record.revoked_at is not None
+    ):
+        assert shared == []
+    allowed = set(record.data_categories_shared) - set(record.excluded_categories) - {"clasp"}
+    for example in shared:
+        assert example["data_category"] in allowed
+        assert "marta" not in (example["text"] + example["speaker"]).lower()
+    memory.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=entries, query=st.sampled_from(["line about dream_content", "Marta said", "clasp"]))
+def test_retrieval_reads_clasp_only_in_between(tmp_path_factory, rows, query) -> None:
+    memory = _memory(tmp_path_factory.mktemp("player"))
+    for i, (category, klass, mode, speaker) in enumerate(rows):
+        memory.write(f"line {i} about {category}", speaker, klass, category, mode=mode)
+    in_between_writes = sum(mode is Mode.IN_BETWEEN for _, _, mode, _ in rows)
+    realworld = memory.retrieve(query, k=20, mode=Mode.REALWORLD)  # k above the 12 rows at most
+    assert len(realworld) == len(rows) - in_between_writes
+    assert all(hit.store == "primary" for hit in realworld)
+    in_between = memory.retrieve(query, k=20, mode=Mode.IN_BETWEEN)
+    clasp_hits = [hit for hit in in_between if hit.store == "clasp"]
+    assert len(in_between) == len(rows) and len(clasp_hits) == in_between_writes
+    assert all(hit.entry.data_category == "clasp" for hit in clasp_hits)
+    memory.close()
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from nimmer_train.memory.store import PlayerMemory
+    from tests.memory_helpers import HashEmbedder
+    memory = PlayerMemory(Path(sys.argv[1]), HashEmbedder())
+    i = 0
+    while True:
+        entry = memory.write(f"burst line {i}", "npc", "working", "casual_dialog", event_uid=f"uid-{i}")
+        print(entry.event_uid, flush=True)
+        i += 1
+""")
+
+
+def test_sigkill_during_a_write_burst_keeps_every_committed_write(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path / "p")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    committed = [proc.stdout.readline().strip() for _ in range(300)]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stored = {e.event_uid for e in _memory(tmp_path / "p").entries()}
+    assert set(committed) <= stored
