@@ -180,3 +180,73 @@ def test_sigkill_during_a_write_burst_keeps_every_committed_write(tmp_path: Path
     proc.wait()
     stored = {e.event_uid for e in _memory(tmp_path / "p").entries()}
     assert set(committed) <= stored
+
+
+def test_prune_is_deterministic_and_respects_classes(tmp_path: Path) -> None:
+    from nimmer_train.memory.pruning import DecayPolicy, on_character_death, prune
+
+    def build(folder: Path) -> PlayerMemory:
+        clock = Clock()
+        memory = _memory(folder, clock)
+        for klass in ("cornerstone", "birthright", "working"):
+            memory.write(f"old {klass}", "npc:a", klass, "casual_dialog", importance=0.2)
+        memory.write(
+            "old but engaged",
+            "npc:a",
+            "working",
+            "casual_dialog",
+            importance=0.2,
+            trait_engagement={"Philotes": 1.0, "Aletheia": -1.0},
+        )
+        memory.write("this session", "npc:b", "volatile", "casual_dialog", session_id="s2")
+        memory.write("last session", "npc:b", "volatile", "casual_dialog", session_id="s1")
+        clock.now += 3600 * 24 * 60  # sixty days on
+        return memory
+
+    first, second = build(tmp_path / "a"), build(tmp_path / "b")
+    gone_texts = {e.event_uid: e.text for e in first.entries()}
+    removed = prune(first, current_session="s2", policy=DecayPolicy())
+    assert sorted(gone_texts[u] for u in removed) == ["last session", "old working"]
+    assert [e.text for e in first.entries()] == [
+        e.text for e in second.entries() if e.text not in ("last session", "old working")
+    ]
+    assert len(prune(second, "s2")) == len(removed)  # same clock, same result
+    on_character_death(first, "npc:a")
+    assert sorted(e.text for e in first.entries()) == ["old birthright", "old cornerstone", "this session"]
+
+
+def test_logout_login_and_corruption_restore(tmp_path: Path) -> None:
+    from nimmer_train.memory.sync import login, logout, open_player
+
+    folder = tmp_path / "player"
+    clock = Clock()
+    memory, report = open_player(folder, EMBED, clock)
+    assert not report.restored
+    for i in range(20):
+        memory.write(f"before snapshot {i}", "npc", "working", "casual_dialog")
+    memory.write("a volatile aside", "npc", "volatile", "casual_dialog", session_id="s1")
+    blob = logout(memory, tmp_path / "upstream.jsonl")
+    lines = blob.read_text().splitlines()
+    assert len(lines) == 20 and "volatile" not in blob.read_text()
+    fragment = {
+        "event_uid": "canon-1",
+        "text": "The gate fell.",
+        "speaker": "world",
+        "memory_class": "working",
+        "data_category": "casual_dialog",
+    }
+    assert login(memory, [fragment, fragment]) == 1 and login(memory, [fragment]) == 0
+    clock.now += 600
+    memory.write("after snapshot", "npc", "working", "casual_dialog")
+    memory.close()
+
+    primary = folder / "primary.sqlite"
+    data = bytearray(primary.read_bytes())
+    for offset in range(0, len(data), 997):  # scatter garbage over every page
+        data[offset : offset + 16] = b"\xde\xad\xbe\xef" * 4
+    primary.write_bytes(bytes(data))
+    memory, report = open_player(folder, EMBED, clock)
+    assert report.restored and report.lost_after == Clock().now
+    texts = {e.text for e in memory.entries()}
+    assert "before snapshot 19" in texts and "after snapshot" not in texts and "The gate fell." not in texts
+    assert "writes after" in str(report)

@@ -223,6 +223,17 @@ class PlayerMemory:
             params = values
         return [MemoryEntry.from_row(row) for row in self.primary.execute(sql + " ORDER BY id", params)]
 
+    def delete(self, event_uids: list[str]) -> None:
+        """Remove primary entries (and their vectors) by event_uid, in one transaction."""
+        if not event_uids:
+            return
+        with self.primary:
+            for uid in event_uids:
+                row = self.primary.execute("SELECT id FROM entries WHERE event_uid = ?", (uid,)).fetchone()
+                if row:
+                    self.primary.execute("DELETE FROM entries_vec WHERE rowid = ?", (row[0],))
+                    self.primary.execute("DELETE FROM entries WHERE id = ?", (row[0],))
+
     def close(self) -> None:
         self.primary.close()
         if self._clasp is not None:
