@@ -250,3 +250,19 @@ def test_logout_login_and_corruption_restore(tmp_path: Path) -> None:
     texts = {e.text for e in memory.entries()}
     assert "before snapshot 19" in texts and "after snapshot" not in texts and "The gate fell." not in texts
     assert "writes after" in str(report)
+
+
+def test_vector_index_follows_writes_and_deletes(tmp_path: Path) -> None:
+    memory = _memory(tmp_path / "p")
+    memory.write("alpha line about the gate", "npc", "working", "casual_dialog")
+    assert len(memory.retrieve("gate", k=5)) == 1  # loads the in-memory index
+    beta = memory.write("beta line about the gate", "npc", "working", "dream_content")
+    assert {h.entry.text for h in memory.retrieve("gate", k=5)} == {
+        "alpha line about the gate",
+        "beta line about the gate",
+    }
+    assert [h.entry.text for h in memory.retrieve("gate", k=5, categories=["dream_content"])] == [beta.text]
+    memory.delete([beta.event_uid])
+    assert [h.entry.text for h in memory.retrieve("gate", k=5)] == ["alpha line about the gate"]
+    reopened = _memory(tmp_path / "p")
+    assert [h.entry.text for h in reopened.retrieve("gate", k=5)] == ["alpha line about the gate"]

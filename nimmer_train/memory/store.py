@@ -14,8 +14,9 @@ relevance, equally weighted by default)::
     importance in [0, 1] as stored
 
 Candidates are the ``candidate_factor * k`` nearest entries by cosine distance that pass the
-class and category filters (sqlite-vec KNN); they are re-ranked by the score and the top k are
-returned and their access count and last access updated.
+class and category filters (an exact scan over the store's vec0 vectors held in memory, see
+vector_index.py); they are re-ranked by the score and the top k are returned and their access
+count and last access updated.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from nimmer_train.memory.entries import (
     clean_text,
     validate,
 )
+from nimmer_train.memory.vector_index import VectorIndex
 
 PRIMARY_FILE = "primary.sqlite"
 CONSENT_SCHEMA_V1 = """
@@ -102,6 +104,7 @@ class PlayerMemory:
         self.primary = connect(path)
         migrate(self.primary, PRIMARY_MIGRATIONS, path)
         self._clasp: apsw.Connection | None = None
+        self._indexes: dict[str, VectorIndex] = {}
 
     def _store(self, name: str) -> apsw.Connection:
         if name == "primary":
@@ -109,6 +112,11 @@ class PlayerMemory:
         if self._clasp is None:
             self._clasp = open_clasp(self.folder)
         return self._clasp
+
+    def _index(self, name: str) -> VectorIndex:
+        if name not in self._indexes:
+            self._indexes[name] = VectorIndex.load(self._store(name))
+        return self._indexes[name]
 
     def write(
         self,
@@ -146,23 +154,26 @@ class PlayerMemory:
                 "INSERT INTO entries_vec (rowid, embedding, memory_class, data_category) VALUES (?, ?, ?, ?)",
                 (rowid, vector.astype(np.float32).tobytes(), entry.memory_class, entry.data_category),
             )
+        store = "clasp" if mode is Mode.IN_BETWEEN else "primary"
+        if store in self._indexes:
+            self._indexes[store].add(rowid, vector, entry.memory_class, entry.data_category)
         return entry
 
     def retrieve(
         self,
-        query: str,
+        query: str | np.ndarray,
         k: int = 8,
         mode: Mode = Mode.REALWORLD,
         classes: Iterable[str] | None = None,
         categories: Iterable[str] | None = None,
     ) -> list[Retrieved]:
         """The top ``k`` entries for ``query`` by the combined score, from the stores ``mode`` allows."""
-        vector = self.embedder.embed([query])[0].astype(np.float32).tobytes()
+        vector = query if isinstance(query, np.ndarray) else self.embedder.embed([query])[0]
         stores = ["primary", "clasp"] if mode is Mode.IN_BETWEEN else ["primary"]
         now = self.clock()
         found: list[tuple[Retrieved, int]] = []
         for name in stores:
-            for rowid, distance, row in self._candidates(self._store(name), vector, k, classes, categories):
+            for rowid, distance, row in self._candidates(name, vector, k, classes, categories):
                 entry = MemoryEntry.from_row(row)
                 relevance = max(0.0, 1.0 - distance)
                 hours = max(0.0, now - (entry.last_access or entry.created_at)) / 3600
@@ -191,23 +202,19 @@ class PlayerMemory:
 
     def _candidates(
         self,
-        db: apsw.Connection,
-        vector: bytes,
+        name: str,
+        vector: np.ndarray,
         k: int,
         classes: Iterable[str] | None,
         categories: Iterable[str] | None,
     ) -> list[tuple[int, float, tuple]]:
-        where, params = ["embedding MATCH ?", "k = ?"], [vector, k * self.weights.candidate_factor]
-        for column, values in (("memory_class", classes), ("data_category", categories)):
-            if values is not None:
-                values = list(values)
-                if not values:
-                    return []
-                where.append(f"{column} IN ({', '.join('?' * len(values))})")
-                params += values
-        hits = db.execute(
-            f"SELECT rowid, distance FROM entries_vec WHERE {' AND '.join(where)}", params
-        ).fetchall()
+        hits = self._index(name).search(
+            vector,
+            k * self.weights.candidate_factor,
+            None if classes is None else list(classes),
+            None if categories is None else list(categories),
+        )
+        db = self._store(name)
         out = []
         for rowid, distance in hits:
             row = db.execute(f"SELECT {', '.join(COLUMNS)} FROM entries WHERE id = ?", (rowid,)).fetchone()
@@ -227,12 +234,16 @@ class PlayerMemory:
         """Remove primary entries (and their vectors) by event_uid, in one transaction."""
         if not event_uids:
             return
+        removed = set()
         with self.primary:
             for uid in event_uids:
                 row = self.primary.execute("SELECT id FROM entries WHERE event_uid = ?", (uid,)).fetchone()
                 if row:
                     self.primary.execute("DELETE FROM entries_vec WHERE rowid = ?", (row[0],))
                     self.primary.execute("DELETE FROM entries WHERE id = ?", (row[0],))
+                    removed.add(row[0])
+        if "primary" in self._indexes:
+            self._indexes["primary"].remove(removed)
 
     def close(self) -> None:
         self.primary.close()
