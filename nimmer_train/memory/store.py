@@ -128,36 +128,66 @@ class PlayerMemory:
         **fields: object,
     ) -> MemoryEntry:
         """Validate, embed and store one entry in one transaction; invalid input changes nothing."""
+        return self.write_many(
+            [
+                {
+                    "text": text,
+                    "speaker": speaker,
+                    "memory_class": memory_class,
+                    "data_category": data_category,
+                    **fields,
+                }
+            ],
+            mode,
+        )[0]
+
+    def write_many(
+        self, items: list[dict], mode: Mode = Mode.REALWORLD, vectors: np.ndarray | None = None
+    ) -> list[MemoryEntry]:
+        """Validate every item, embed them in one batch (unless ``vectors`` are given) and store them
+        in one transaction: all or nothing."""
         now = self.clock()
-        if mode is Mode.IN_BETWEEN:
-            data_category = "clasp"  # what is said in the in-between belongs to the clasp channel
-        entry = MemoryEntry(
-            event_uid=str(fields.pop("event_uid", uuid.uuid4())),
-            text=clean_text(text, self.max_chars),
-            speaker=speaker,
-            memory_class=memory_class,
-            data_category=data_category,
-            created_at=now,
-            updated_at=now,
-            **fields,
-        )  # type: ignore[arg-type]
-        validate(entry)
-        vector = self.embedder.embed([entry.text])[0]
-        db = self._store("clasp" if mode is Mode.IN_BETWEEN else "primary")
-        with db:
-            db.execute(
-                f"INSERT INTO entries ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
-                entry.row(),
+        entries = []
+        for item in items:
+            fields = dict(item)
+            text = clean_text(fields.pop("text"), self.max_chars)
+            if mode is Mode.IN_BETWEEN:
+                fields["data_category"] = (
+                    "clasp"  # what is said in the in-between belongs to the clasp channel
+                )
+            if "source_ids" in fields:
+                fields["source_ids"] = tuple(fields["source_ids"])
+            entry = MemoryEntry(
+                event_uid=str(fields.pop("event_uid", None) or uuid.uuid4()),
+                text=text,
+                created_at=now,
+                updated_at=now,
+                **fields,
             )
-            rowid = db.last_insert_rowid()
-            db.execute(
-                "INSERT INTO entries_vec (rowid, embedding, memory_class, data_category) VALUES (?, ?, ?, ?)",
-                (rowid, vector.astype(np.float32).tobytes(), entry.memory_class, entry.data_category),
-            )
+            validate(entry)
+            entries.append(entry)
+        if vectors is None:
+            vectors = self.embedder.embed([e.text for e in entries])
         store = "clasp" if mode is Mode.IN_BETWEEN else "primary"
+        db = self._store(store)
+        rowids = []
+        with db:
+            for entry, vector in zip(entries, vectors, strict=True):
+                db.execute(
+                    f"INSERT INTO entries ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
+                    entry.row(),
+                )
+                rowid = db.last_insert_rowid()
+                db.execute(
+                    "INSERT INTO entries_vec (rowid, embedding, memory_class, data_category) "
+                    "VALUES (?, ?, ?, ?)",
+                    (rowid, vector.astype(np.float32).tobytes(), entry.memory_class, entry.data_category),
+                )
+                rowids.append(rowid)
         if store in self._indexes:
-            self._indexes[store].add(rowid, vector, entry.memory_class, entry.data_category)
-        return entry
+            for rowid, entry, vector in zip(rowids, entries, vectors, strict=True):
+                self._indexes[store].add(rowid, vector, entry.memory_class, entry.data_category)
+        return entries
 
     def retrieve(
         self,
