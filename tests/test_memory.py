@@ -266,3 +266,51 @@ def test_vector_index_follows_writes_and_deletes(tmp_path: Path) -> None:
     assert [h.entry.text for h in memory.retrieve("gate", k=5)] == ["alpha line about the gate"]
     reopened = _memory(tmp_path / "p")
     assert [h.entry.text for h in reopened.retrieve("gate", k=5)] == ["alpha line about the gate"]
+
+
+def test_canon_propagates_at_its_rate_and_the_stack_assembles_within_budgets(tmp_path: Path) -> None:
+    from nimmer_train.memory.knowledge import Canon, add_canon, assemble, propagate, set_districts
+
+    memory = _memory(tmp_path / "p")
+    set_districts(memory, [("core", "ring"), ("ring", "wall"), ("wall", "frontier")])
+    add_canon(
+        memory,
+        [
+            Canon("w1", "The emperor has fallen ill.", "world", "core", "normal", rate_ticks_per_hop=2),
+            Canon("w2", "The east gate is sealed!", "world", "core", "urgent", rate_ticks_per_hop=0),
+            Canon("d1", "The frontier well ran dry.", "district", "frontier", "background", ttl_ticks=5),
+            Canon("l1", "A juggler performs at the ring market.", "local", "ring", "normal"),
+        ],
+    )
+    memory.write("Marta owes the scavenger three bolts.", "npc", "working", "casual_dialog")
+    memory.write("Her hand trembled in the light.", "npc", "working", "clasp", mode=Mode.IN_BETWEEN)
+
+    def stack(district: str, tick: int, mode: Mode = Mode.REALWORLD, budget: int = 50):
+        propagate(memory, tick)
+        return assemble(
+            memory,
+            district,
+            "what does Marta owe",
+            mode,
+            {"world": budget, "district": budget, "primary": budget, "clasp": budget},
+        )
+
+    early = stack("frontier", tick=1)
+    assert early.items[0] == "The east gate is sealed!"  # urgent: instant everywhere
+    assert "The emperor has fallen ill." not in early.items  # 3 hops x 2 ticks: not yet
+    assert "The frontier well ran dry." in early.items and early.layers == ("world", "district", "primary")
+    late = stack("frontier", tick=6)
+    assert (
+        "The emperor has fallen ill." in late.items and "The frontier well ran dry." not in late.items
+    )  # ttl
+    assert "The emperor has fallen ill." in stack("ring", tick=2).items  # one hop away
+    assert "A juggler performs at the ring market." not in stack("wall", tick=9).items
+    assert "Her hand trembled in the light." not in late.items
+    between = stack("frontier", tick=6, mode=Mode.IN_BETWEEN)
+    assert between.layers[-1] == "clasp" and "Her hand trembled in the light." in between.items
+    tight = stack("frontier", tick=6, budget=5)
+    assert (
+        "The emperor has fallen ill." in tight.items
+        and "Marta owes the scavenger three bolts." not in tight.items
+    )
+    assert stack("frontier", tick=6) == late  # deterministic

@@ -13,15 +13,14 @@ from pathlib import Path
 import apsw
 
 from nimmer_train.memory.db import connect, migrate
-from nimmer_train.memory.entries import MEMORY_SCHEMA_V1
+from nimmer_train.memory.schema import CLASP_MIGRATIONS
 
 CLASP_FILE = "clasp.sqlite"
-MIGRATIONS = (MEMORY_SCHEMA_V1,)
 
 
 def open_clasp(folder: Path) -> apsw.Connection:
     """The player's clasp store, for in-between retrieval and in-between writes only."""
     path = folder / CLASP_FILE
     db = connect(path)
-    migrate(db, MIGRATIONS, path)
+    migrate(db, CLASP_MIGRATIONS, path)
     return db

@@ -34,32 +34,6 @@ DATA_CATEGORIES = (
 )
 EMBEDDING_DIM = 384
 
-MEMORY_SCHEMA_V1 = f"""
-CREATE TABLE entries (
-    id INTEGER PRIMARY KEY,
-    event_uid TEXT NOT NULL UNIQUE,
-    text TEXT NOT NULL,
-    speaker TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    memory_class TEXT NOT NULL CHECK (memory_class IN {MEMORY_CLASSES}),
-    semantic_type TEXT NOT NULL,
-    trait_engagement TEXT NOT NULL,
-    emotional_valence REAL NOT NULL CHECK (emotional_valence BETWEEN -1 AND 1),
-    access_count INTEGER NOT NULL DEFAULT 0,
-    last_access REAL,
-    importance REAL NOT NULL CHECK (importance BETWEEN 0 AND 1),
-    source_ids TEXT NOT NULL DEFAULT '[]',
-    data_category TEXT NOT NULL,
-    session_id TEXT
-);
-CREATE INDEX entries_class_category ON entries (memory_class, data_category);
-CREATE VIRTUAL TABLE entries_vec USING vec0(
-    embedding float[{EMBEDDING_DIM}] distance_metric=cosine,
-    memory_class text,
-    data_category text
-);
-"""
 COLUMNS = (
     "event_uid",
     "text",

@@ -37,26 +37,15 @@ from nimmer_train.memory.db import connect, migrate
 from nimmer_train.memory.entries import (
     COLUMNS,
     EMBEDDING_DIM,
-    MEMORY_SCHEMA_V1,
     InvalidEntry,
     MemoryEntry,
     clean_text,
     validate,
 )
+from nimmer_train.memory.schema import PRIMARY_MIGRATIONS
 from nimmer_train.memory.vector_index import VectorIndex
 
 PRIMARY_FILE = "primary.sqlite"
-CONSENT_SCHEMA_V1 = """
-CREATE TABLE player_data_sharing_consent (
-    id INTEGER PRIMARY KEY CHECK (id = 1),
-    sharing_tier TEXT NOT NULL DEFAULT 'opt_out',
-    data_categories_shared TEXT NOT NULL DEFAULT '[]',
-    excluded_categories TEXT NOT NULL DEFAULT '[]',
-    granted_at REAL,
-    revoked_at REAL
-);
-"""
-PRIMARY_MIGRATIONS = (MEMORY_SCHEMA_V1 + CONSENT_SCHEMA_V1,)
 Clock = Callable[[], float]
 
 
