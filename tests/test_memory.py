@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -215,7 +216,8 @@ def test_prune_is_deterministic_and_respects_classes(tmp_path: Path) -> None:
     assert sorted(e.text for e in first.entries()) == ["old birthright", "old cornerstone", "this session"]
 
 
-def test_logout_login_and_corruption_restore(tmp_path: Path) -> None:
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_logout_login_and_corruption_restore(tmp_path: Path, seed: int) -> None:
     from nimmer_train.memory.sync import login, logout, open_player
 
     folder = tmp_path / "player"
@@ -242,8 +244,9 @@ def test_logout_login_and_corruption_restore(tmp_path: Path) -> None:
 
     primary = folder / "primary.sqlite"
     data = bytearray(primary.read_bytes())
-    for offset in range(0, len(data), 997):  # scatter garbage over every page
-        data[offset : offset + 16] = b"\xde\xad\xbe\xef" * 4
+    rng = np.random.default_rng(seed)
+    for offset in rng.integers(0, len(data) - 64, size=len(data) // 512):  # random garbage everywhere
+        data[offset : offset + 64] = rng.bytes(64)
     primary.write_bytes(bytes(data))
     memory, report = open_player(folder, EMBED, clock)
     assert report.restored and report.lost_after == Clock().now
@@ -311,3 +314,47 @@ def test_canon_propagates_at_its_rate_and_the_stack_assembles_within_budgets(tmp
     tight = stack("frontier", tick=6, budget=5)
     assert tight.items == ("The east gate is sealed!",)  # 5 words a layer: one world line, no 6-word memory
     assert stack("frontier", tick=6) == late  # deterministic
+
+
+def test_companion_reads_are_audited_and_prunes_logged(tmp_path: Path) -> None:
+    from nimmer_train.errors import NimmerError
+    from nimmer_train.memory.companion import (
+        audited_read,
+        decide,
+        decision_log,
+        open_companion,
+        record_session,
+    )
+
+    db = open_companion(tmp_path)
+    first = record_session(db, "npc:ilse", "companion_session", "talked about the ferry", started_at=1.0)
+    record_session(db, "npc:oran", "sex_worker_session", "a paid evening", started_at=2.0)
+    with pytest.raises(NimmerError, match="actor and a reason"):
+        audited_read(db, "", "curious")
+    assert len(audited_read(db, "player", "reviewing my sessions", now=10.0)) == 2
+    decide(db, first, "delete", "player", "too personal", now=11.0)
+    assert [s.npc for s in audited_read(db, "player", "check", now=12.0)] == ["npc:oran"]
+    assert [row[2] for row in decision_log(db)] == ["read", "delete", "read"]
+    with pytest.raises(NimmerError, match="no companion session"):
+        decide(db, first, "keep", "player", "gone already")
+
+
+def test_synthetic_players_are_seeded_and_the_cli_inspects_them(tmp_path: Path, capsys) -> None:
+    import json
+
+    from nimmer_train.cli import main
+    from nimmer_train.memory.synthetic import generate_player
+
+    a = generate_player(tmp_path / "a", EMBED, seed=5, entries=60)
+    b = generate_player(tmp_path / "b", EMBED, seed=5, entries=60)
+    assert a["primary"] + a["clasp"] == 60 and {k: a[k] for k in ("primary", "clasp", "consent")} == {
+        k: b[k] for k in ("primary", "clasp", "consent")
+    }
+    texts = [[e.text for e in _memory(tmp_path / p).entries()] for p in ("a", "b")]
+    assert texts[0] == texts[1] and len({e.split(" (")[0] for e in texts[0]}) > 20
+    assert main(["memory", "inspect", str(tmp_path / "a")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (
+        report["primary.sqlite"]["entries"] == a["primary"] and report["primary.sqlite"]["integrity"] == "ok"
+    )
+    assert "not inspectable" in report["clasp"]

@@ -1,0 +1,137 @@
+"""Seeded synthetic players: plausible entries across every memory class and data category,
+clasp writes in the in-between, a consent record, canon over a small district graph and
+companion sessions. For tests, the demo and the federated simulation."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nimmer_train.embedding import Embedder
+from nimmer_train.memory.companion import GOODS_TYPES, open_companion, record_session
+from nimmer_train.memory.consent import ConsentRecord, set_consent
+from nimmer_train.memory.entries import DATA_CATEGORIES, SEMANTIC_TYPES
+from nimmer_train.memory.knowledge import Canon, add_canon, set_districts
+from nimmer_train.memory.store import Mode, PlayerMemory
+from nimmer_train.traits import TRAIT_AXES
+
+NPCS = ("npc:preacher-oran", "npc:scavenger-marra", "npc:chorus-leader", "npc:warden-tess", "npc:ferry-ilse")
+PLACES = (
+    "the east gate",
+    "the lower-ring cisterns",
+    "the scrap fields",
+    "the bronze gate",
+    "the memorial wall",
+    "the ration line",
+    "the ferry stairs",
+)
+THINGS = (
+    "a copper coil",
+    "three bolts",
+    "a ribbon",
+    "the curfew bell",
+    "a sealed letter",
+    "a water token",
+    "the old map",
+)
+VERBS = ("saw", "lost", "traded", "hid", "found", "promised", "remembered")
+TEMPLATES = {
+    "casual_dialog": "{npc} said {name} {verb} {thing} near {place}.",
+    "clasp": "In the in-between {npc} whispered that they {verb} {thing} at {place} and never told anyone.",
+    "liminal_wallreads": "Words scratched on {place}: whoever {verb} {thing} will be remembered.",
+    "memorial_archive": "The archive at {place} records that {npc} {verb} {thing} before the purge.",
+    "imperial_net_session": "On the imperial net {name} searched for {thing} and the feed showed {place}.",
+    "companion_session": "A companion from {place} listened while {name} spoke of {thing}.",
+    "dream_content": "{name} dreamed that {npc} {verb} {thing} under {place}.",
+    "aletheia_progression": "{name} began to doubt the wardens about {place} after {thing} went missing.",
+}
+CLASS_WEIGHTS = {"cornerstone": 0.05, "birthright": 0.05, "working": 0.75, "volatile": 0.15}
+
+
+def generate_player(
+    folder: Path,
+    embedder: Embedder,
+    seed: int = 0,
+    entries: int = 200,
+    player_name: str = "Marta",
+    start: float | None = None,
+) -> dict[str, Any]:
+    """Fill a player's stores; returns counts. Same seed, same player (times come from ``start``)."""
+    rng = np.random.default_rng(seed)
+    now = [start if start is not None else 1_800_000_000.0]
+    memory = PlayerMemory(folder, embedder, clock=lambda: now[0])
+    categories = list(DATA_CATEGORIES)
+    written = {"primary": 0, "clasp": 0}
+    batch: list[dict] = []
+    for i in range(entries):
+        category = categories[int(rng.integers(len(categories)))]
+        klass = rng.choice(list(CLASS_WEIGHTS), p=list(CLASS_WEIGHTS.values()))
+        text = TEMPLATES[category].format(
+            npc=NPCS[int(rng.integers(len(NPCS)))].split(":")[1],
+            name=player_name,
+            verb=VERBS[int(rng.integers(len(VERBS)))],
+            thing=THINGS[int(rng.integers(len(THINGS)))],
+            place=PLACES[int(rng.integers(len(PLACES)))],
+        )
+        axes = rng.choice(TRAIT_AXES, size=int(rng.integers(0, 3)), replace=False)
+        item = {
+            "text": f"{text} ({i})",
+            "speaker": player_name if rng.random() < 0.3 else NPCS[i % len(NPCS)],
+            "memory_class": str(klass),
+            "data_category": category,
+            "semantic_type": SEMANTIC_TYPES[int(rng.integers(len(SEMANTIC_TYPES)))],
+            "trait_engagement": {str(a): round(float(rng.uniform(-1, 1)), 2) for a in axes},
+            "emotional_valence": round(float(rng.uniform(-1, 1)), 2),
+            "importance": round(float(rng.uniform(0, 1)), 2),
+            "session_id": f"session-{i // 50}" if klass == "volatile" else None,
+        }
+        if category == "clasp":
+            memory.write_many([item], mode=Mode.IN_BETWEEN)
+            written["clasp"] += 1
+        else:
+            batch.append(item)
+        now[0] += float(rng.uniform(60, 3600))
+    memory.write_many(batch)
+    written["primary"] = len(batch)
+    tier = rng.choice(["opt_out", "A1_federated", "A2_anonymized"], p=[0.4, 0.4, 0.2])
+    shared = tuple(str(c) for c in rng.choice(categories, size=int(rng.integers(1, 5)), replace=False))
+    excluded = tuple(str(c) for c in rng.choice(categories, size=int(rng.integers(0, 2)), replace=False))
+    set_consent(memory, ConsentRecord(str(tier), shared, excluded, granted_at=now[0]))
+    set_districts(memory, [("core", "ring"), ("ring", "wall"), ("wall", "frontier")])
+    add_canon(
+        memory,
+        [
+            Canon(
+                f"canon-{seed}-{j}",
+                f"Proclamation {j}: the curfew moves to the {j}th bell.",
+                "world",
+                "core",
+                "normal",
+                rate_ticks_per_hop=2,
+                created_tick=j,
+            )
+            for j in range(3)
+        ],
+    )
+    companion = open_companion(folder)
+    sessions = int(rng.integers(0, 4))
+    for j in range(sessions):
+        record_session(
+            companion,
+            NPCS[j % len(NPCS)],
+            GOODS_TYPES[j % 2],
+            f"session {j} with {NPCS[j % 5]}",
+            started_at=now[0] + j,
+        )
+    companion.close()
+    memory.close()
+    return {
+        "player": folder.name,
+        **written,
+        "consent": str(tier),
+        "companion_sessions": sessions,
+        "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
