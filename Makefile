@@ -31,6 +31,7 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_build_base
 	$(BIN)/python -m benchmarks.bench_teacher
 	$(BIN)/python -m benchmarks.bench_loras
+	$(BIN)/python -m benchmarks.bench_memory
 
 clean:
 	rm -rf artifacts mlartifacts mlflow.db outputs multirun benchmarks/results

@@ -2,9 +2,10 @@
 
 - write throughput (entries per second, all-MiniLM-L6-v2 embedding included), one entry per
   write and in batches of 64;
-- retrieval latency p50 / p95 at 10k and 100k entries for one player (384-dim vectors; the 100k
-  store is filled with generated unit vectors), search + re-rank + access update, and the query
-  embedding on its own. Goal: retrieval p95 <= 20 ms at 100k entries.
+- retrieval latency p50 / p95 at 10k and 100k entries for one player (384-dim vectors; the
+  stores are filled with generated unit vectors), search + re-rank + access update, and the
+  query embedding on its own. Goal: retrieval p95 <= 20 ms at 100k entries;
+- prompt-assembly latency (the four-layer knowledge stack for one turn) at 10k entries.
 
 Writes benchmarks/results/bench_memory.json.  python -m benchmarks.bench_memory
 """
@@ -20,7 +21,8 @@ import numpy as np
 
 from nimmer_train.embedding import SentenceEmbedder
 from nimmer_train.memory.entries import DATA_CATEGORIES, MEMORY_CLASSES
-from nimmer_train.memory.store import PlayerMemory
+from nimmer_train.memory.knowledge import Canon, add_canon, assemble, propagate, set_districts
+from nimmer_train.memory.store import Mode, PlayerMemory
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
@@ -45,6 +47,36 @@ def fill(memory: PlayerMemory, n: int, rng: np.random.Generator) -> None:
             for i in range(size)
         ]
         memory.write_many(items, vectors=vectors)
+
+
+def assembly_latency(memory: PlayerMemory) -> dict[str, float]:
+    """The four-layer knowledge stack for one turn (query already embedded), 20 canon rows."""
+    set_districts(memory, [("core", "ring"), ("ring", "wall")])
+    add_canon(
+        memory,
+        [
+            Canon(
+                f"c{j}",
+                f"Proclamation {j} about the curfew bell.",
+                "world" if j % 2 else "district",
+                "core",
+                "normal",
+                1,
+                None,
+                j,
+            )
+            for j in range(20)
+        ],
+    )
+    propagate(memory, 100)
+    budgets = {"world": 120, "district": 80, "primary": 300, "clasp": 200}
+    queries = memory.embedder.embed([f"what happened at the gate {i}" for i in range(30)])
+    timings = []
+    for query in queries:
+        t = time.perf_counter()
+        assemble(memory, "ring", query, Mode.REALWORLD, budgets)
+        timings.append(time.perf_counter() - t)
+    return percentiles(timings[5:])
 
 
 def main() -> None:
@@ -89,6 +121,8 @@ def main() -> None:
                 memory.retrieve(probe, k=8, categories=["casual_dialog", "memorial_archive", "dream_content"])
                 timings.append(time.perf_counter() - t)
             report[f"retrieval_{n}"] = percentiles(timings)
+            if n == 10_000:
+                report["prompt_assembly_10000"] = assembly_latency(memory)
             memory.close()
     out = Path(__file__).parent / "results" / "bench_memory.json"
     out.parent.mkdir(exist_ok=True)
@@ -102,6 +136,11 @@ def main() -> None:
     for n in (10_000, 100_000):
         r = report[f"retrieval_{n}"]
         print(f"retrieval at {n:>7} entries: p50 {r['p50_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms")
+    assembly = report["prompt_assembly_10000"]
+    print(
+        f"prompt assembly at 10000 entries (query already embedded): "
+        f"p50 {assembly['p50_ms']:.1f} ms, p95 {assembly['p95_ms']:.1f} ms"
+    )
     print(f"-> {out}")
 
 

@@ -137,6 +137,53 @@ def test_consent_never_leaks_clasp_excluded_or_identity(tmp_path_factory, rows, 
     memory.close()
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.sampled_from(MEMORY_CLASSES),
+            st.floats(0, 1),
+            st.floats(0, 24 * 400),
+            st.dictionaries(st.sampled_from(["Sophrosyne", "Philotes"]), st.floats(-1, 1)),
+            st.sampled_from(["s1", "s2", None]),
+        ),
+        max_size=10,
+    ),
+    later_h=st.floats(0, 24 * 400),
+)
+def test_prune_is_a_function_of_store_and_clock(tmp_path_factory, rows, later_h) -> None:
+    from nimmer_train.memory.pruning import DecayPolicy, to_prune
+
+    stores = []
+    for _ in range(2):
+        clock = Clock()
+        memory = _memory(tmp_path_factory.mktemp("player"), clock)
+        for i, (klass, importance, age_h, engagement, session) in enumerate(rows):
+            clock.now = Clock().now + age_h * 3600
+            memory.write(
+                f"memory {i}",
+                "npc",
+                klass,
+                "casual_dialog",
+                event_uid=f"m{i}",
+                importance=importance,
+                trait_engagement=engagement,
+                session_id=session,
+            )
+        stores.append(memory.entries())
+    now = Clock().now + later_h * 3600 + 24 * 400 * 3600
+    first = to_prune(stores[0], now, "s2", DecayPolicy())
+    assert (
+        first
+        == to_prune(stores[1], now, "s2", DecayPolicy())
+        == to_prune(stores[0], now, "s2", DecayPolicy())
+    )
+    kept_classes = {e.memory_class for e in stores[0] if e.event_uid not in first}
+    assert {
+        e.memory_class for e in stores[0] if e.memory_class in ("cornerstone", "birthright")
+    } <= kept_classes
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=entries, query=st.sampled_from(["line about dream_content", "Marta said", "clasp"]))
 def test_retrieval_reads_clasp_only_in_between(tmp_path_factory, rows, query) -> None:
@@ -230,6 +277,7 @@ def test_logout_login_and_corruption_restore(tmp_path: Path, seed: int) -> None:
     blob = logout(memory, tmp_path / "upstream.jsonl")
     lines = blob.read_text().splitlines()
     assert len(lines) == 20 and "volatile" not in blob.read_text()
+    assert all(e.memory_class != "volatile" for e in memory.entries())  # the session ended
     fragment = {
         "event_uid": "canon-1",
         "text": "The gate fell.",

@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.store import Mode, PlayerMemory
 from nimmer_train.prompt_dsl import MemoryScope
@@ -110,7 +112,7 @@ def word_tokens(text: str) -> int:
 def assemble(
     memory: PlayerMemory,
     district: str,
-    query: str,
+    query: str | np.ndarray,
     mode: Mode,
     budgets: dict[str, int],
     count: Callable[[str], int] = word_tokens,

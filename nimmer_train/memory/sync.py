@@ -1,6 +1,7 @@
 """The sync boundary of a player's stores.
 
-- logout: the upstream blob (primary entries only, volatile ones left out, no vectors) and a
+- logout: the session ends, so a prune pass runs (volatile memories of the session go, decayed
+  working ones too); then the upstream prune-blob (what remains in primary, no vectors) and a
   snapshot of primary.sqlite to fallback.sqlite through SQLite's online backup API;
 - login: back-write fragments applied by event_uid, idempotently;
 - start-up: integrity_check of primary; when it fails (or the file cannot be opened at all),
@@ -46,8 +47,11 @@ class StartupReport:
 
 
 def logout(memory: PlayerMemory, upstream: Path) -> Path:
-    """Write the upstream blob to ``upstream`` (JSON lines) and snapshot primary to fallback."""
-    entries = [e for e in memory.entries() if e.memory_class != "volatile"]
+    """Prune, write the upstream blob to ``upstream`` (JSON lines) and snapshot primary to fallback."""
+    from nimmer_train.memory.pruning import prune
+
+    prune(memory, current_session=None)
+    entries = memory.entries()
     tmp = upstream.with_suffix(".tmp")
     with open(tmp, "w") as fh:
         for entry in entries:
