@@ -75,6 +75,8 @@ def test_bad_text_is_rejected_and_nothing_changes(tmp_path: Path, text: str | by
 
 def test_bad_fields_are_rejected(tmp_path: Path) -> None:
     memory = _memory(tmp_path / "p")
+    with pytest.raises(InvalidEntry, match="clasp entries are written only in IN_BETWEEN mode"):
+        memory.write("x", "npc", "working", "clasp", mode=Mode.REALWORLD)
     with pytest.raises(InvalidEntry, match="memory_class"):
         memory.write("x", "npc", "eternal", "casual_dialog")
     with pytest.raises(InvalidEntry, match="trait_engagement: unknown trait axis 'Eros'"):
@@ -105,7 +107,7 @@ entries = st.lists(
     ),
     min_size=1,
     max_size=12,
-)
+).map(lambda rows: [(c, k, Mode.IN_BETWEEN if c == "clasp" else m, s) for c, k, m, s in rows])
 records = st.builds(
     ConsentRecord,
     st.sampled_from(TIERS),

@@ -140,9 +140,12 @@ class PlayerMemory:
         for item in items:
             fields = dict(item)
             text = clean_text(fields.pop("text"), self.max_chars)
-            if mode is Mode.IN_BETWEEN:
-                fields["data_category"] = (
-                    "clasp"  # what is said in the in-between belongs to the clasp channel
+            if mode is Mode.IN_BETWEEN:  # what is said in the in-between belongs to the clasp channel
+                fields["data_category"] = "clasp"
+            elif fields.get("data_category") == "clasp":
+                raise InvalidEntry(
+                    "data_category: clasp entries are written only in IN_BETWEEN mode, to the "
+                    "clasp store; primary (which syncs upstream) never holds them"
                 )
             if "source_ids" in fields:
                 fields["source_ids"] = tuple(fields["source_ids"])
