@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from dataclasses import dataclass
 
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.entries import DATA_CATEGORIES
 from nimmer_train.memory.store import PlayerMemory
+from nimmer_train.privacy.anonymize import Upload, anonymize
 
 TIERS = ("opt_out", "A1_federated", "A2_anonymized", "A3_pseudonymous_full")
 TRAINING_TIERS = ("A1_federated", "A2_anonymized")  # A3 is not in scope for training yet
@@ -96,3 +98,37 @@ def training_examples(
             }
         )
     return out
+
+
+def contributor_id(memory: PlayerMemory) -> str:
+    """This device's pseudonymous contributor id: random (uuid4), made once, kept beside the
+    consent record, never derived from the player_id."""
+    row = memory.primary.execute("SELECT contributor_id FROM contributor WHERE id = 1").fetchone()
+    if row:
+        return row[0]
+    new = str(uuid.uuid4())
+    with memory.primary:
+        memory.primary.execute("INSERT INTO contributor VALUES (1, ?, ?)", (new, memory.clock()))
+    return new
+
+
+def a2_upload(
+    memory: PlayerMemory, player_id: str, player_name: str, other_names: tuple[str, ...] = ()
+) -> Upload | None:
+    """The next anonymised A.2 upload from this device (None when consent yields nothing); its
+    random id is remembered locally so the player can later ask for its deletion."""
+    examples = training_examples(memory, "A2_anonymized", player_id, player_name)
+    if not examples:
+        return None
+    upload = anonymize(examples, player_id, player_name, other_names)
+    with memory.primary:
+        memory.primary.execute(
+            "INSERT INTO a2_uploads VALUES (?, ?, NULL)", (upload.upload_id, memory.clock())
+        )
+    return upload
+
+
+def sent_uploads(memory: PlayerMemory) -> list[str]:
+    return [
+        r[0] for r in memory.primary.execute("SELECT upload_id FROM a2_uploads ORDER BY sent_at, upload_id")
+    ]

@@ -1,6 +1,7 @@
 """The SQL schema of the player stores, one migration per schema version (PRAGMA user_version).
 
-primary.sqlite: v1 entries + vectors + consent, v2 canon and the district graph.
+primary.sqlite: v1 entries + vectors + consent, v2 canon and the district graph, v3 the
+pseudonymous contributor id and the ids of A.2 uploads sent (for deletion requests).
 The clasp store and fallback.sqlite (a snapshot of primary) share the entry tables.
 """
 
@@ -64,5 +65,13 @@ CREATE TABLE canon_known (
 CREATE TABLE district_edges (a TEXT NOT NULL, b TEXT NOT NULL, PRIMARY KEY (a, b));
 """
 
-PRIMARY_MIGRATIONS = (MEMORY_SCHEMA_V1 + CONSENT_SCHEMA_V1, CANON_SCHEMA_V2)
+CONTRIBUTOR_SCHEMA_V3 = """
+CREATE TABLE contributor (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    contributor_id TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE a2_uploads (upload_id TEXT PRIMARY KEY, sent_at REAL NOT NULL, deletion_requested_at REAL);
+"""
+PRIMARY_MIGRATIONS = (MEMORY_SCHEMA_V1 + CONSENT_SCHEMA_V1, CANON_SCHEMA_V2, CONTRIBUTOR_SCHEMA_V3)
 CLASP_MIGRATIONS = (MEMORY_SCHEMA_V1,)

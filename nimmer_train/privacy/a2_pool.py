@@ -1,0 +1,66 @@
+"""The server's A.2 intake: anonymised uploads pooled in SQLite, trained on only once at least
+k are pooled, with forward-only deletion (a deleted upload is left out of every later training
+read; what was already trained on stays trained)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+from nimmer_train.errors import NimmerError
+from nimmer_train.privacy.anonymize import Upload
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS uploads (
+    upload_id TEXT PRIMARY KEY, received_at REAL NOT NULL, examples TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS deletions (upload_id TEXT PRIMARY KEY, requested_at REAL NOT NULL);
+"""
+
+
+class PoolTooSmall(NimmerError):
+    """Fewer than k live uploads: the intake refuses to train."""
+
+
+class A2Pool:
+    def __init__(self, path: Path, k: int) -> None:
+        if k < 1:
+            raise NimmerError("the A.2 pool threshold k must be >= 1")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.k = k
+        self.db = sqlite3.connect(path, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.executescript(SCHEMA)
+
+    def add(self, upload: Upload, now: float | None = None) -> None:
+        """Pool an upload; a deleted id cannot come back."""
+        if self.db.execute("SELECT 1 FROM deletions WHERE upload_id = ?", (upload.upload_id,)).fetchone():
+            raise NimmerError(f"upload {upload.upload_id} was deleted; it cannot be pooled again")
+        self.db.execute(
+            "INSERT OR IGNORE INTO uploads VALUES (?, ?, ?)",
+            (upload.upload_id, now if now is not None else time.time(), json.dumps(upload.examples)),
+        )
+
+    def delete(self, upload_id: str, now: float | None = None) -> None:
+        """Forward-only deletion: the upload's examples leave the pool for all future training."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute(
+                "INSERT OR IGNORE INTO deletions VALUES (?, ?)",
+                (upload_id, now if now is not None else time.time()),
+            )
+            self.db.execute("DELETE FROM uploads WHERE upload_id = ?", (upload_id,))
+
+    def live(self) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM uploads").fetchone()[0]
+
+    def training_examples(self) -> list[dict[str, str]]:
+        """Every live example, or PoolTooSmall while fewer than k uploads are pooled."""
+        count = self.live()
+        if count < self.k:
+            raise PoolTooSmall(f"the A.2 pool holds {count} uploads; training needs at least k={self.k}")
+        rows = self.db.execute("SELECT examples FROM uploads ORDER BY upload_id").fetchall()
+        return [example for (blob,) in rows for example in json.loads(blob)]
