@@ -32,6 +32,7 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_teacher
 	$(BIN)/python -m benchmarks.bench_loras
 	$(BIN)/python -m benchmarks.bench_memory
+	$(BIN)/python -m benchmarks.bench_dp
 
 clean:
 	rm -rf artifacts mlartifacts mlflow.db outputs multirun benchmarks/results
