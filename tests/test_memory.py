@@ -79,6 +79,13 @@ def test_bad_fields_are_rejected(tmp_path: Path) -> None:
         memory.write("x", "npc", "working", "clasp", mode=Mode.REALWORLD)
     with pytest.raises(InvalidEntry, match="memory_class"):
         memory.write("x", "npc", "eternal", "casual_dialog")
+    with pytest.raises(InvalidEntry, match=r"unknown entry fields \['mood'\]"):
+        memory.write("x", "npc", "working", "casual_dialog", mood="sad")
+    memory.write("first", "npc", "working", "casual_dialog", event_uid="e-1")
+    with pytest.raises(InvalidEntry, match="event_uid already stored"):
+        memory.write("again", "npc", "working", "casual_dialog", event_uid="e-1")
+    assert [e.text for e in memory.entries()] == ["first"]
+    memory.delete(["e-1"])
     with pytest.raises(InvalidEntry, match="trait_engagement: unknown trait axis 'Eros'"):
         memory.write("x", "npc", "working", "casual_dialog", trait_engagement={"Eros": 1.0})
     assert memory.entries() == []

@@ -147,6 +147,12 @@ class PlayerMemory:
                     "data_category: clasp entries are written only in IN_BETWEEN mode, to the "
                     "clasp store; primary (which syncs upstream) never holds them"
                 )
+            unknown = set(fields) - set(MemoryEntry.__dataclass_fields__) - {"text"}
+            if unknown:
+                raise InvalidEntry(
+                    f"unknown entry fields {sorted(unknown)}; known: "
+                    f"{', '.join(sorted(MemoryEntry.__dataclass_fields__))}"
+                )
             if "source_ids" in fields:
                 fields["source_ids"] = tuple(fields["source_ids"])
             entry = MemoryEntry(
@@ -164,6 +170,15 @@ class PlayerMemory:
         db = self._store(store)
         rowids = []
         with db:
+            duplicates = [
+                e.event_uid
+                for e in entries
+                if db.execute("SELECT 1 FROM entries WHERE event_uid = ?", (e.event_uid,)).fetchone()
+            ]
+            if duplicates or len({e.event_uid for e in entries}) < len(entries):
+                raise InvalidEntry(
+                    f"event_uid already stored or repeated: {duplicates or 'within the batch'}"
+                )
             for entry, vector in zip(entries, vectors, strict=True):
                 db.execute(
                     f"INSERT INTO entries ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
