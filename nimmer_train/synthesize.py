@@ -95,30 +95,30 @@ def find_synth(
     artifacts: Path,
 ) -> SynthResult:
     """The already-built r0/r1 corpus for this config; a clear error when there is none."""
-    found = _existing(spec, catalogue, teacher_cfg, curation, artifacts)
-    if isinstance(found, Path):
+    _, out, found = _locate(spec, catalogue, teacher_cfg, curation, artifacts)
+    if found is None:
         raise NimmerError(
-            f"no synthetic corpus at {found}: run `python -m pipelines.synthesize` with the same "
+            f"no synthetic corpus at {out}: run `python -m pipelines.synthesize` with the same "
             "overrides first"
         )
     return found
 
 
-def _existing(
+def _locate(
     spec: CompositionConfig,
     catalogue: RegistersConfig,
     teacher_cfg: TeacherConfig,
     curation: CurationConfig,
     artifacts: Path,
-) -> SynthResult | Path:
-    """The published corpus for this config, or the folder it would be published to."""
+) -> tuple[str, Path, SynthResult | None]:
+    """(fingerprint, folder, the published corpus there or None) for this config."""
     fp = synth_fingerprint(spec, catalogue, teacher_cfg, curation)
     out = artifacts / "synth" / f"{spec.name}-{fp[:12]}"
     manifest = intact_manifest(out)
     if manifest is None:
-        return out
+        return fp, out, None
     samples = json.loads((out / "samples.json").read_text())
-    return SynthResult(out, fp, manifest["lineage"]["stats"], True, samples)
+    return fp, out, SynthResult(out, fp, manifest["lineage"]["stats"], True, samples)
 
 
 def synthesize(
@@ -129,12 +129,10 @@ def synthesize(
     artifacts: Path,
 ) -> SynthResult:
     """Build (or find) the r0/r1 synthetic corpus for ``spec``."""
-    found = _existing(spec, catalogue, teacher_cfg, curation, artifacts)
-    if isinstance(found, SynthResult):
-        log.info("synthetic corpus %s is up to date at %s; nothing to do", spec.name, found.path)
+    fp, out, found = _locate(spec, catalogue, teacher_cfg, curation, artifacts)
+    if found is not None:
+        log.info("synthetic corpus %s is up to date at %s; nothing to do", spec.name, out)
         return found
-    out = found
-    fp = synth_fingerprint(spec, catalogue, teacher_cfg, curation)
 
     requests = expand(spec, catalogue)
     teacher = make_teacher(teacher_cfg)
