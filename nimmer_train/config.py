@@ -14,6 +14,7 @@ from omegaconf import MISSING, OmegaConf
 
 from nimmer_train.composition import CompositionConfig
 from nimmer_train.errors import ConfigError
+from nimmer_train.federation.settings import FederatedConfig
 from nimmer_train.registers import RegistersConfig
 from nimmer_train.teacher.base import TeacherConfig
 from nimmer_train.traits import TRAIT_AXES
@@ -258,6 +259,7 @@ class Config:
     teacher: TeacherConfig = MISSING
     curation: CurationConfig = field(default_factory=CurationConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
+    federated: FederatedConfig = field(default_factory=FederatedConfig)
 
     def __post_init__(self) -> None:
         """Checks across groups: registers named anywhere exist, affinities name corpus works."""
@@ -267,6 +269,11 @@ class Config:
                     "composition.registers",
                     f"unknown register {name!r}; known: {', '.join(self.registers.catalogue)}",
                 )
+        if self.federated.register is not None and self.federated.register not in self.registers.catalogue:
+            raise ConfigError(
+                "federated.register",
+                f"unknown register {self.federated.register!r}; known: {', '.join(self.registers.catalogue)}",
+            )
         for name, reg in self.registers.catalogue.items():
             for work in reg.literary_affinities:
                 if work not in self.corpus.works:

@@ -22,6 +22,21 @@ class Embedder(Protocol):
     def embed(self, texts: list[str]) -> np.ndarray: ...
 
 
+class NoEmbedder:
+    """For opening a player's stores only to read entries (the consent filter on a federated
+    client): it has the stores' dimension and refuses to embed, so nothing loads a model."""
+
+    name = "none"
+
+    def __init__(self, dim: int = 384) -> None:
+        self.dim = dim
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        raise NimmerError(
+            "these stores were opened read-only (NoEmbedder); writing or searching needs an embedder"
+        )
+
+
 def model_dir(name_or_path: str = DEFAULT_MODEL) -> Path:
     """The folder of a sentence-transformers model: the packaged default, or a local path."""
     if name_or_path == DEFAULT_MODEL:

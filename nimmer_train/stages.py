@@ -17,6 +17,7 @@ from nimmer_train import tracking
 from nimmer_train.artifacts import read_manifest, sha256_file, write_json_atomic
 from nimmer_train.build_base import BaseResult, build_base, plan
 from nimmer_train.config import Config
+from nimmer_train.federation.stage import FederationResult, federate_stage
 from nimmer_train.ingest import IngestResult, ingest
 from nimmer_train.lora_stage import LoraResult, train_loras_stage
 from nimmer_train.synthesize import SynthResult, synthesize
@@ -139,11 +140,14 @@ def synthesize_stage(cfg: Config, pipeline: str = "synthesize") -> SynthResult:
     return result
 
 
-def run_all(cfg: Config) -> tuple[IngestResult, SynthResult, BaseResult, LoraResult]:
+def run_all(
+    cfg: Config,
+) -> tuple[IngestResult, SynthResult, BaseResult, LoraResult, FederationResult | None]:
     """Every stage in order, each a nested run under one parent run in experiment run_all."""
     with tracking.stage_run(cfg, "run_all", "run_all"):
         corpus = ingest_stage(cfg, pipeline="run_all")
         synth = synthesize_stage(cfg, pipeline="run_all")
         base = build_base_stage(cfg, corpus, pipeline="run_all")
         loras = train_loras_stage(cfg, corpus, synth, base.path, pipeline="run_all")
-    return corpus, synth, base, loras
+        federation = federate_stage(cfg, loras, pipeline="run_all") if cfg.federated.enabled else None
+    return corpus, synth, base, loras, federation

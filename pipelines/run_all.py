@@ -8,12 +8,14 @@ from pipelines.entry import pipeline
 
 @pipeline
 def main(cfg: Config) -> None:
-    corpus, synth, base, loras = run_all(cfg)
+    corpus, synth, base, loras, federation = run_all(cfg)
     print("\nProduced:")
     print(f"  corpus dataset + data card  {corpus.path}")
     print(f"  synthetic r0/r1 + data card {synth.path}")
     print(f"  base model (HF folder)      {base.path}")
     print(f"  register LoRAs (PEFT)       {loras.root}")
+    if federation:
+        print(f"  federated adapter (PEFT)    {federation.adapter}")
     if loras.evaluation:
         ev = loras.evaluation
         print(f"  register separability {ev.separability:.2f}, mean held-out loss gain {ev.mean_gain:.3f}")

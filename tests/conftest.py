@@ -43,14 +43,16 @@ def run_pipeline(
 def tiny_run(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
     """One `run_all experiment=ci_tiny` shared by the end-to-end tests; returns its workdir."""
     workdir = tmp_path_factory.mktemp("tiny_run")
-    run_pipeline("run_all", workdir, "experiment=ci_tiny")
+    proc = run_pipeline("run_all", workdir, "experiment=ci_tiny")
+    (workdir / "run_all.log").write_text(proc.stdout + proc.stderr)  # what the server side printed
     return workdir
 
 
 def kill_when(
     name: str, workdir: Path, *overrides: str, ready: Callable[[], bool], timeout: float = 240
 ) -> None:
-    """Start ``pipelines.<name>`` and SIGKILL it the moment ``ready()`` holds (it must still run)."""
+    """Start ``pipelines.<name>`` and SIGKILL it, with every process it started (its session), the
+    moment ``ready()`` holds (it must still run)."""
     cmd = [sys.executable, "-m", f"pipelines.{name}", f"paths.workdir={workdir}", *overrides]
     proc = subprocess.Popen(
         cmd,
@@ -58,6 +60,7 @@ def kill_when(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        start_new_session=True,
     )
     deadline = time.monotonic() + timeout
     try:
@@ -66,5 +69,5 @@ def kill_when(
             assert time.monotonic() < deadline, f"{name}: not ready to be killed after {timeout} s"
             time.sleep(0.01)
     finally:
-        proc.send_signal(signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

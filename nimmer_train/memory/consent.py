@@ -13,7 +13,9 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
+from nimmer_train.artifacts import write_json_atomic
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.entries import DATA_CATEGORIES
 from nimmer_train.memory.store import PlayerMemory
@@ -98,6 +100,22 @@ def training_examples(
             }
         )
     return out
+
+
+PROFILE_FILE = "profile.json"  # the device's own record of who plays on it; never leaves the device
+
+
+def write_profile(folder: Path, player_id: str, player_name: str) -> None:
+    write_json_atomic(folder / PROFILE_FILE, {"player_id": player_id, "player_name": player_name})
+
+
+def read_profile(folder: Path) -> tuple[str, str]:
+    """(player_id, player_name) of the player on this device, for redaction before sharing."""
+    path = folder / PROFILE_FILE
+    if not path.exists():
+        raise NimmerError(f"{path} is missing: the device needs its player's profile to redact shared data")
+    data = json.loads(path.read_text())
+    return data["player_id"], data["player_name"]
 
 
 def contributor_id(memory: PlayerMemory) -> str:

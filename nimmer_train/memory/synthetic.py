@@ -12,7 +12,7 @@ import numpy as np
 
 from nimmer_train.embedding import Embedder
 from nimmer_train.memory.companion import GOODS_TYPES, open_companion, record_session
-from nimmer_train.memory.consent import ConsentRecord, set_consent
+from nimmer_train.memory.consent import PLAYER, ConsentRecord, set_consent, write_profile
 from nimmer_train.memory.entries import DATA_CATEGORIES, SEMANTIC_TYPES
 from nimmer_train.memory.knowledge import Canon, add_canon, set_districts
 from nimmer_train.memory.store import Mode, PlayerMemory
@@ -51,6 +51,47 @@ TEMPLATES = {
 CLASS_WEIGHTS = {"cornerstone": 0.05, "birthright": 0.05, "working": 0.75, "volatile": 0.15}
 
 
+def draw_entry(rng: np.random.Generator, i: int, player_name: str, player_id: str | None = None) -> dict:
+    """One plausible entry; every fifth names the player's id too (a planted identifier)."""
+    category = DATA_CATEGORIES[int(rng.integers(len(DATA_CATEGORIES)))]
+    klass = rng.choice(list(CLASS_WEIGHTS), p=list(CLASS_WEIGHTS.values()))
+    text = TEMPLATES[category].format(
+        npc=NPCS[int(rng.integers(len(NPCS)))].split(":")[1],
+        name=player_name,
+        verb=VERBS[int(rng.integers(len(VERBS)))],
+        thing=THINGS[int(rng.integers(len(THINGS)))],
+        place=PLACES[int(rng.integers(len(PLACES)))],
+    )
+    if player_id and i % 5 == 0:
+        text += f" The ledger lists {player_id}."
+    axes = rng.choice(TRAIT_AXES, size=int(rng.integers(0, 3)), replace=False)
+    return {
+        "text": f"{text} ({i})",
+        "speaker": player_name if rng.random() < 0.3 else NPCS[i % len(NPCS)],
+        "memory_class": str(klass),
+        "data_category": category,
+        "semantic_type": SEMANTIC_TYPES[int(rng.integers(len(SEMANTIC_TYPES)))],
+        "trait_engagement": {str(a): round(float(rng.uniform(-1, 1)), 2) for a in axes},
+        "emotional_valence": round(float(rng.uniform(-1, 1)), 2),
+        "importance": round(float(rng.uniform(0, 1)), 2),
+        "session_id": f"session-{i // 50}" if klass == "volatile" else None,
+    }
+
+
+def heldout_examples(n: int, seed: int = 10_000) -> list[dict[str, str]]:
+    """Examples shaped like the consent filter's output ([player] in place of the player), drawn
+    from the same generator but from no store: the server's public held-out set."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        entry = draw_entry(rng, i, PLAYER)
+        if entry["data_category"] != "clasp":
+            out.append(
+                {k: entry[k] for k in ("text", "speaker", "data_category", "semantic_type", "memory_class")}
+            )
+    return out
+
+
 def generate_player(
     folder: Path,
     embedder: Embedder,
@@ -58,8 +99,12 @@ def generate_player(
     entries: int = 200,
     player_name: str = "Marta",
     start: float | None = None,
+    player_id: str | None = None,
+    tier: str | None = None,
 ) -> dict[str, Any]:
-    """Fill a player's stores; returns counts. Same seed, same player (times come from ``start``)."""
+    """Fill a player's stores; returns counts. Same seed, same player (times come from ``start``).
+    ``player_id`` is planted in some entries and kept in the device's profile; ``tier`` fixes the
+    consent tier (else it is drawn)."""
     rng = np.random.default_rng(seed)
     now = [start if start is not None else 1_800_000_000.0]
     memory = PlayerMemory(folder, embedder, clock=lambda: now[0])
@@ -67,28 +112,8 @@ def generate_player(
     written = {"primary": 0, "clasp": 0}
     batch: list[dict] = []
     for i in range(entries):
-        category = categories[int(rng.integers(len(categories)))]
-        klass = rng.choice(list(CLASS_WEIGHTS), p=list(CLASS_WEIGHTS.values()))
-        text = TEMPLATES[category].format(
-            npc=NPCS[int(rng.integers(len(NPCS)))].split(":")[1],
-            name=player_name,
-            verb=VERBS[int(rng.integers(len(VERBS)))],
-            thing=THINGS[int(rng.integers(len(THINGS)))],
-            place=PLACES[int(rng.integers(len(PLACES)))],
-        )
-        axes = rng.choice(TRAIT_AXES, size=int(rng.integers(0, 3)), replace=False)
-        item = {
-            "text": f"{text} ({i})",
-            "speaker": player_name if rng.random() < 0.3 else NPCS[i % len(NPCS)],
-            "memory_class": str(klass),
-            "data_category": category,
-            "semantic_type": SEMANTIC_TYPES[int(rng.integers(len(SEMANTIC_TYPES)))],
-            "trait_engagement": {str(a): round(float(rng.uniform(-1, 1)), 2) for a in axes},
-            "emotional_valence": round(float(rng.uniform(-1, 1)), 2),
-            "importance": round(float(rng.uniform(0, 1)), 2),
-            "session_id": f"session-{i // 50}" if klass == "volatile" else None,
-        }
-        if category == "clasp":
+        item = draw_entry(rng, i, player_name, player_id)
+        if item["data_category"] == "clasp":
             memory.write_many([item], mode=Mode.IN_BETWEEN)
             written["clasp"] += 1
         else:
@@ -96,10 +121,13 @@ def generate_player(
         now[0] += float(rng.uniform(60, 3600))
     memory.write_many(batch)
     written["primary"] = len(batch)
-    tier = rng.choice(["opt_out", "A1_federated", "A2_anonymized"], p=[0.4, 0.4, 0.2])
+    drawn = rng.choice(["opt_out", "A1_federated", "A2_anonymized"], p=[0.4, 0.4, 0.2])
+    tier = tier or drawn
     shared = tuple(str(c) for c in rng.choice(categories, size=int(rng.integers(1, 5)), replace=False))
     excluded = tuple(str(c) for c in rng.choice(categories, size=int(rng.integers(0, 2)), replace=False))
     set_consent(memory, ConsentRecord(str(tier), shared, excluded, granted_at=now[0]))
+    if player_id:
+        write_profile(folder, player_id, player_name)
     set_districts(memory, [("core", "ring"), ("ring", "wall"), ("wall", "frontier")])
     add_canon(
         memory,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from collections import Counter
 from pathlib import Path
 
 from nimmer_train.errors import NimmerError
@@ -64,3 +65,24 @@ class A2Pool:
             raise PoolTooSmall(f"the A.2 pool holds {count} uploads; training needs at least k={self.k}")
         rows = self.db.execute("SELECT examples FROM uploads ORDER BY upload_id").fetchall()
         return [example for (blob,) in rows for example in json.loads(blob)]
+
+    def summary(self) -> dict:
+        """Counts only: live uploads, trainable examples (0 below k) and examples per data category."""
+        live = self.live()
+        rows = self.training_examples() if live >= self.k else []
+        counts = Counter(str(r.get("data_category", "unknown")) for r in rows)
+        return {"uploads": live, "examples": len(rows), "categories": dict(sorted(counts.items()))}
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def pool_summary(path: Path | None, k: int) -> dict:
+    """:meth:`A2Pool.summary` of the pool at ``path`` (an empty summary when there is none)."""
+    if path is None or not path.exists():
+        return {"uploads": 0, "examples": 0, "categories": {}}
+    pool = A2Pool(path, k)
+    try:
+        return pool.summary()
+    finally:
+        pool.close()

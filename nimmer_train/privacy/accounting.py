@@ -90,9 +90,12 @@ class Ledger:
     def load(cls, path: Path, delta: float, budget: float | None) -> Ledger:
         if not path.exists():
             return cls(delta, budget)
-        data = json.loads(path.read_text())
+        return cls.from_dict(json.loads(path.read_text()), delta, budget, str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict, delta: float, budget: float | None, where: str = "the ledger") -> Ledger:
         if data["delta"] != delta:
-            raise NimmerError(f"{path} accounts at delta {data['delta']}, not {delta}; keep delta fixed")
+            raise NimmerError(f"{where} accounts at delta {data['delta']}, not {delta}; keep delta fixed")
         return cls(
             delta, budget, [tuple(s) for s in data["a1"]], [tuple(s) for s in data["a2"]], data["rounds"]
         )

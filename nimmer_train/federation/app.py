@@ -1,0 +1,79 @@
+"""The Flower ServerApp and ClientApp, assembled from the federation library.
+
+``federated/`` (what ``flwr run federated`` ships) and the simulation stage build their apps
+here, so deployment and simulation run the same code; they differ only in how a node finds its
+data (node config vs. a partition map) and how the server finds its inputs (run config vs.
+the Hydra config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from flwr.app import Context
+from flwr.client import ClientApp
+from flwr.client.mod import secaggplus_mod
+from flwr.server import ServerApp
+from flwr.serverapp.grid import Grid
+
+from nimmer_train.federation.client import Contributor, Node
+from nimmer_train.federation.mods import clip_mod, drill_mod, equal_weight_mod, validate_mod
+from nimmer_train.federation.settings import FederatedConfig
+
+if TYPE_CHECKING:  # the server side needs torch; a SuperNode's per-message processes should not
+    from nimmer_train.federation.server import Report, ServerSetup, ServerState
+
+NodeOf = Callable[[Context], Node]
+
+
+def client_app(
+    node_of: NodeOf,
+    secure_aggregation: bool = True,
+    drills: Callable[[Context], dict[int, str]] | None = None,
+) -> ClientApp:
+    """A ClientApp whose updates are validated, clipped, count-weighted and (by default) masked.
+
+    With ``secure_aggregation`` the client cannot send an unmasked update: a plain fit request
+    fails in ``secaggplus_mod``. Only a simulation may turn it off.
+    """
+
+    def client_fn(context: Context) -> Any:
+        faults = drills(context) if drills else {}
+        crash = frozenset(r for r, f in faults.items() if f == "crash")
+        return Contributor(node_of(context), crash).to_client()
+
+    mods = [equal_weight_mod, clip_mod, validate_mod]
+    if secure_aggregation:
+        mods.insert(0, secaggplus_mod)
+    if drills is not None:
+        mods.insert(0, _drill_dispatch(drills))
+    return ClientApp(client_fn=client_fn, mods=mods)
+
+
+def _drill_dispatch(drills: Callable[[Context], dict[int, str]]) -> Any:
+    def mod(msg: Any, ctxt: Context, call_next: Any) -> Any:
+        return drill_mod(drills(ctxt))(msg, ctxt, call_next)
+
+    return mod
+
+
+def server_app(
+    settings_of: Callable[[Context], FederatedConfig],
+    setup_of: Callable[[Context, FederatedConfig], ServerSetup],
+    done: Callable[[Context, FederatedConfig, ServerSetup, ServerState], None],
+    report_of: Callable[[Context], Report],
+) -> ServerApp:
+    """A ServerApp running :func:`serve`, then ``done`` (publishing) with the final state."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        from nimmer_train.federation.server import serve
+
+        settings = settings_of(context)
+        setup = setup_of(context, settings)
+        state = serve(grid, context, settings, setup, report_of(context))
+        done(context, settings, setup, state)
+
+    return app

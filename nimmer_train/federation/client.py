@@ -1,0 +1,143 @@
+"""The contributor side: one Flower client per node.
+
+A node is either a player's device (A.1: its examples come only from the consent filter for
+tier A1_federated, read from the device's own stores) or the server-operated A.2 client (its
+examples come from the anonymised intake pool, once at least k uploads are pooled). Both train
+the global adapter with local DP-SGD and return only the LoRA tensors; the device also returns
+its pseudonymous contributor id, never anything about the player.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.client import NumPyClient
+
+from nimmer_train.embedding import NoEmbedder
+from nimmer_train.errors import NimmerError
+from nimmer_train.memory.consent import contributor_id, get_consent, read_profile, training_examples
+from nimmer_train.memory.store import PlayerMemory
+from nimmer_train.privacy.a2_pool import A2Pool, PoolTooSmall
+
+log = logging.getLogger(__name__)
+TIER = "A1_federated"
+DEVICE_ACCOUNTANT = "federated_accountant.json"  # beside the device's stores
+POOL_ACCOUNTANT = "a2_accountant.json"  # beside the A.2 pool
+
+
+@dataclass(frozen=True)
+class Node:
+    """What one node holds: the published base and register adapter, and its data."""
+
+    base_dir: Path
+    adapter_dir: Path
+    device: Path | None = None  # a player's device folder (A.1)
+    a2_pool: Path | None = None  # the A.2 intake (the server-operated client)
+
+    def __post_init__(self) -> None:
+        if (self.device is None) == (self.a2_pool is None):
+            raise NimmerError(
+                "a node holds either a player's device (device=...) or the A.2 pool (a2-pool=...)"
+            )
+
+    @classmethod
+    def from_node_config(cls, node_config: dict[str, Any]) -> Node:
+        """A SuperNode's ``--node-config "base-dir='...' adapter-dir='...' device='...'"``."""
+        missing = [k for k in ("base-dir", "adapter-dir") if k not in node_config]
+        if missing:
+            raise NimmerError(
+                f"node config lacks {', '.join(missing)}; see README 'Contribute as a federated client'"
+            )
+        return cls(
+            Path(str(node_config["base-dir"])),
+            Path(str(node_config["adapter-dir"])),
+            Path(str(node_config["device"])) if "device" in node_config else None,
+            Path(str(node_config["a2-pool"])) if "a2-pool" in node_config else None,
+        )
+
+
+def example_text(example: dict[str, str]) -> str:
+    """One shared memory entry as a training line: who spoke, and what."""
+    return f"{example['speaker']}: {example['text']}"
+
+
+def device_examples(device: Path) -> tuple[list[str], str | None]:
+    """The device's shareable examples for A.1 (through the consent filter) and its contributor id
+    (None unless the player consented to A.1)."""
+    player_id, player_name = read_profile(device)
+    memory = PlayerMemory(device, NoEmbedder())
+    try:
+        examples = training_examples(memory, TIER, player_id, player_name)
+        ident = contributor_id(memory) if get_consent(memory).sharing_tier == TIER else None
+    finally:
+        memory.close()
+    return [example_text(e) for e in examples], ident
+
+
+def pool_examples(pool_path: Path, k: int) -> list[str]:
+    pool = A2Pool(pool_path, k)
+    try:
+        return [example_text(e) for e in pool.training_examples()]
+    except PoolTooSmall as exc:
+        log.warning("A.2 client trains nothing this round: %s", exc)
+        return []
+    finally:
+        pool.close()
+
+
+class Contributor(NumPyClient):
+    """fit(): global adapter in, locally DP-trained adapter out."""
+
+    def __init__(self, node: Node, crash_rounds: frozenset[int] = frozenset()) -> None:
+        self.node = node
+        self.crash_rounds = crash_rounds  # simulation drills: rounds in which this node fails
+
+    def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
+        from nimmer_train.federation.local import LocalSettings, train_locally  # torch: only to train
+
+        server_round = int(config["round"])
+        if server_round in self.crash_rounds:
+            raise RuntimeError(f"drill: this node fails in round {server_round}")
+        settings = LocalSettings(
+            local_steps=int(config["local-steps"]),
+            batch_size=int(config["batch-size"]),
+            lr=float(config["lr"]),
+            max_length=int(config["max-length"]),
+            max_examples=int(config["max-examples"]),
+            dp_noise_multiplier=float(config["dp-noise-multiplier"]),
+            dp_max_grad_norm=float(config["dp-max-grad-norm"]),
+            grad_sample_mode=str(config["grad-sample-mode"]),
+            seed=int(config["seed"]) + server_round,
+        )
+        if self.node.a2_pool is not None:
+            texts, ident = pool_examples(self.node.a2_pool, int(config["a2-k"])), "a2-pool"
+            accountant = self.node.a2_pool.parent / POOL_ACCOUNTANT
+        else:
+            assert self.node.device is not None
+            texts, ident = device_examples(self.node.device)
+            accountant = self.node.device / DEVICE_ACCOUNTANT
+        result = train_locally(
+            self.node.base_dir,
+            self.node.adapter_dir,
+            parameters,
+            texts,
+            settings,
+            accountant,
+            float(config["delta"]),
+            str(config["spec-digest"]),
+        )
+        metrics: dict[str, Any] = {"contributor": ident} if ident else {}
+        if self.node.a2_pool is not None and result.steps:  # the server operates this client: it may say how
+            metrics.update(
+                {
+                    "a2-noise": settings.dp_noise_multiplier,
+                    "a2-sample-rate": result.sample_rate,
+                    "a2-steps": result.steps,
+                    "a2-examples": result.examples,
+                }
+            )
+        return result.arrays, result.examples, metrics

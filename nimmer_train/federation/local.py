@@ -1,0 +1,144 @@
+"""Local DP-SGD on one contributor's examples: what an A.1 device and the server-operated A.2
+client both run each round.
+
+The base is loaded with the register adapter on top (trainable), the round's global LoRA tensors
+are copied in, and Opacus trains the adapter for ``local_steps`` steps with Poisson sampling.
+The accountant's state is read from and written back to a JSON file beside the data, so the
+record-level epsilon of this contributor's data accumulates across rounds and restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from peft import PeftModel
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from nimmer_train.adapters import load_base
+from nimmer_train.artifacts import write_json_atomic
+from nimmer_train.errors import NimmerError
+from nimmer_train.federation.wire import get_arrays, set_arrays, spec_of
+from nimmer_train.privacy.accounting import epsilon
+from nimmer_train.privacy.dp_sgd import DPSettings, lm_loss, lora_changed, lora_snapshot, make_private
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """The per-round training recipe the server sends in its fit config."""
+
+    local_steps: int
+    batch_size: int
+    lr: float
+    max_length: int
+    max_examples: int
+    dp_noise_multiplier: float
+    dp_max_grad_norm: float
+    grad_sample_mode: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    arrays: list[np.ndarray]
+    examples: int
+    steps: int  # accountant steps taken (Poisson batches, empty ones included)
+    sample_rate: float
+    epsilon: float  # this contributor's record-level epsilon so far, at the accountant's delta
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int) -> TensorDataset:
+    """Right-padded token ids and labels (pads are -100), one row per text, ending in EOS."""
+    rows = [tokenizer(t)["input_ids"][: max_length - 1] + [tokenizer.eos_token_id] for t in texts]
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    labels = torch.tensor([r + [-100] * (width - len(r)) for r in rows])
+    return TensorDataset(ids, labels)
+
+
+def load_trainable(base_dir: Path, adapter_dir: Path) -> tuple[PeftModel, PreTrainedTokenizerBase]:
+    """The base (on its device first, as Opacus + PEFT need) with the adapter trainable on top."""
+    model = PeftModel.from_pretrained(load_base(base_dir), adapter_dir, is_trainable=True)
+    return model, AutoTokenizer.from_pretrained(base_dir)
+
+
+def train_locally(
+    base_dir: Path,
+    adapter_dir: Path,
+    arrays: list[np.ndarray],
+    texts: list[str],
+    settings: LocalSettings,
+    accountant_file: Path,
+    delta: float,
+    spec_digest: str | None = None,
+) -> LocalResult:
+    """DP-SGD on ``texts`` starting from the global ``arrays``; no texts: the arrays unchanged.
+    ``spec_digest`` (the server's) must match this node's adapter: same tensor names and shapes."""
+    if not texts:
+        return LocalResult(arrays, 0, 0, 0.0, _saved_epsilon(accountant_file, delta))
+    model, tokenizer = load_trainable(base_dir, adapter_dir)
+    if spec_digest is not None and spec_of(model).digest != spec_digest:
+        raise NimmerError(
+            f"the adapter at {adapter_dir} ({spec_of(model).digest}) is not the one the server federates "
+            f"({spec_digest}): install the release the federation names"
+        )
+    set_arrays(model, arrays)
+    model.train()
+    texts = texts[: settings.max_examples]
+    data = encode(tokenizer, texts, settings.max_length)
+    batch = min(settings.batch_size, len(texts))
+    torch.manual_seed(settings.seed)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=settings.lr)
+    state = json.loads(accountant_file.read_text()) if accountant_file.exists() else None
+    dp = DPSettings(settings.dp_noise_multiplier, settings.dp_max_grad_norm, settings.grad_sample_mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus's notes on secure RNG and optimizer wrapping
+        private = make_private(model, optimizer, DataLoader(data, batch_size=batch), dp, state)
+    rate = 1 / len(private.loader)
+    before = lora_snapshot(model)
+    steps = 0
+    while steps < settings.local_steps:
+        for ids, labels in private.loader:
+            if len(ids):
+                lm_loss(private.model, ids, labels, private.criterion).backward()
+                private.optimizer.step()
+                private.optimizer.zero_grad()
+            else:  # an empty Poisson batch still spends privacy: account it by hand
+                private.engine.accountant.step(noise_multiplier=dp.noise_multiplier, sample_rate=rate)
+            steps += 1
+            if steps == settings.local_steps:
+                break
+    if not lora_changed(private.model, before):
+        raise NimmerError("local DP-SGD left the LoRA weights unchanged (Opacus + PEFT wiring)")
+    accountant = private.engine.accountant
+    write_json_atomic(accountant_file, {"history": accountant.history, "mechanism": accountant.mechanism()})
+    return LocalResult(
+        get_arrays(private.model), len(texts), steps, rate, float(accountant.get_epsilon(delta=delta))
+    )
+
+
+def _saved_epsilon(accountant_file: Path, delta: float) -> float:
+    if not accountant_file.exists():
+        return 0.0
+    return epsilon([tuple(h) for h in json.loads(accountant_file.read_text())["history"]], delta)
+
+
+@torch.no_grad()
+def heldout_loss(model: torch.nn.Module, data: TensorDataset) -> float:
+    """Token-weighted mean next-token loss over ``data``."""
+    model.eval()
+    total, count = 0.0, 0
+    for ids, labels in DataLoader(data, batch_size=16):
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        target = labels[:, 1:]
+        total += torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), target, ignore_index=-100, reduction="sum"
+        ).item()
+        count += int((target != -100).sum())
+    return total / max(count, 1)

@@ -1,0 +1,137 @@
+"""Federation settings: one dataclass for the Hydra group ``federated`` and for the Flower app's
+run config (``flwr run federated --run-config 'rounds=3 ...'`` uses the same field names, with
+dashes), so simulation and deployment read the same values."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from nimmer_train.errors import ConfigError
+
+TIER_CHOICES = ("A1_federated", "A2_anonymized", "opt_out")
+FAULTS = ("crash", "nan", "wrong_shape", "wrong_dtype")
+PLACES = ("base_dir", "work_dir", "out_dir", "a2_pool", "tracking_uri")  # deployed server's run config
+
+
+@dataclass
+class FederatedConfig:
+    """Rounds, participation, the two DP mechanisms, accounting and the simulated population."""
+
+    enabled: bool = True  # run_all runs a federation after the register LoRAs
+    register: str | None = None  # the register adapter the federation improves; null: the first trained
+    adapter_dir: str | None = None  # start from this adapter folder; null: the one train_loras made
+    rounds: int = 2
+    # participation (robustness)
+    min_participants: int = 3  # fewer surviving contributors than this: the round makes no update
+    fraction_fit: float = 1.0  # share of the nodes sampled per round (the q of user-level accounting)
+    round_timeout: float = 300.0  # seconds a node may take per SecAgg+ stage before it counts as gone
+    secure_aggregation: bool = True  # SecAgg+ (the server only sees the sum); false: plain FedAvg
+    # SecAgg+ key shares per node (itself and its ring neighbours) and the shares needed to unmask;
+    # <= 1: a fraction of the nodes sampled (1.0: every node, the most dropout-tolerant), > 1: a count
+    secagg_shares: float = 1.0
+    secagg_threshold: float = 0.5
+    # A.1 user-level DP: clipped on the client, Gaussian noise on the sum at the server
+    clipping_norm: float = 10.0  # local DP-SGD noise dominates an update's norm; clip above it
+    noise_multiplier: float = 1.0
+    # local DP-SGD, on every A.1 device and on the server-operated A.2 client
+    local_steps: int = 6
+    batch_size: int = 16
+    lr: float = 3.0  # SGD on clipped per-sample gradients: the step is lr * dp_max_grad_norm
+    max_length: int = 48  # tokens per example
+    max_examples: int = 256  # examples a contributor trains on at most (also caps its count)
+    dp_noise_multiplier: float = 1.0
+    dp_max_grad_norm: float = 0.1
+    grad_sample_mode: str = "hooks"  # hooks | ghost (Opacus ghost clipping)
+    # A.2 anonymised pool
+    a2_k: int = 2  # the intake refuses to train with fewer uploads than this
+    # accounting
+    delta: float = 1.0e-5
+    epsilon_budget: float | None = None  # stop before a round that would pass it (A.1 or A.2)
+    # server-side held-out evaluation: a synthetic player generated on the server, never a contributor
+    heldout_examples: int = 64
+    # simulation: virtual contributors built from synthetic players
+    contributors: int = 6
+    population: list[str] = field(
+        default_factory=lambda: [
+            "A1_federated",
+            "A1_federated",
+            "A2_anonymized",
+            "A1_federated",
+            "opt_out",
+            "A2_anonymized",
+        ]
+    )
+    entries_per_player: int = 60
+    seed: int = 0
+    faults: dict[str, str] = field(default_factory=dict)  # simulation drills: "<partition>:<round>" -> fault
+
+    def __post_init__(self) -> None:
+        for name in ("rounds", "min_participants", "local_steps", "batch_size", "max_length", "a2_k"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"federated.{name}", "must be >= 1")
+        if not 0 < self.fraction_fit <= 1:
+            raise ConfigError("federated.fraction_fit", "must be in (0, 1]")
+        if self.clipping_norm <= 0 or self.noise_multiplier < 0 or self.dp_noise_multiplier < 0:
+            raise ConfigError("federated.clipping_norm", "clipping_norm > 0 and noise multipliers >= 0")
+        if not 0 < self.delta < 1:
+            raise ConfigError("federated.delta", "must be in (0, 1)")
+        if self.grad_sample_mode not in ("hooks", "ghost"):
+            raise ConfigError("federated.grad_sample_mode", "must be hooks or ghost")
+        if self.secagg_shares > 1 and (
+            self.secagg_shares % 2 == 0 or self.secagg_shares != int(self.secagg_shares)
+        ):
+            raise ConfigError(
+                "federated.secagg_shares", "a count must be odd (the node and pairs of neighbours)"
+            )
+        if self.secagg_shares <= 0 or self.secagg_threshold <= 0:
+            raise ConfigError("federated.secagg_shares", "shares and threshold must be > 0")
+        if (self.secagg_shares > 1) == (
+            self.secagg_threshold > 1
+        ) and self.secagg_threshold > self.secagg_shares:
+            raise ConfigError("federated.secagg_threshold", "cannot exceed federated.secagg_shares")
+        for tier in self.population:
+            if tier not in TIER_CHOICES:
+                raise ConfigError("federated.population", f"{tier!r} is not one of {', '.join(TIER_CHOICES)}")
+        for key, fault in self.faults.items():
+            if fault not in FAULTS or len(key.split(":")) != 2:
+                raise ConfigError(
+                    f"federated.faults.{key}", f"want '<partition>:<round>': one of {', '.join(FAULTS)}"
+                )
+
+    def secagg(self) -> tuple[int | float, int | float]:
+        """(num_shares, reconstruction_threshold) as Flower reads them: a float is a fraction."""
+        return tuple(v if v <= 1 else int(v) for v in (self.secagg_shares, self.secagg_threshold))  # type: ignore[return-value]
+
+    def to_run_config(self) -> dict[str, Any]:
+        """Flower run-config form: dashed keys, scalars only (lists and maps as JSON text)."""
+        out: dict[str, Any] = {}
+        for key, value in dataclasses.asdict(self).items():
+            if isinstance(value, list | dict):
+                value = json.dumps(value)
+            if value is None:
+                value = 0.0 if key == "epsilon_budget" else ""
+            out[key.replace("_", "-")] = value
+        return out
+
+    @classmethod
+    def from_run_config(cls, run_config: dict[str, Any]) -> FederatedConfig:
+        """Read the dashed run-config keys this app knows; unknown keys are an error."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in run_config.items():
+            name = key.replace("-", "_")
+            if name in PLACES:
+                continue  # where things are: read by the deployed app, not settings
+            if name not in fields:
+                raise ConfigError(f"run-config {key}", f"unknown key; known: {', '.join(sorted(fields))}")
+            if name in ("population", "faults") and isinstance(value, str):
+                value = json.loads(value)
+            if name in ("register", "adapter_dir") and value == "":
+                value = None
+            if name == "epsilon_budget" and value == 0:
+                value = None  # run configs have no null: 0 means no budget
+            values[name] = value
+        return cls(**values)

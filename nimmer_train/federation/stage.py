@@ -1,0 +1,220 @@
+"""The federate stage: the Flower app on Flower's simulation engine, with virtual contributors
+built from synthetic players, logged to MLflow.
+
+Layout under ``<workdir>/federation/<fp>/``: ``devices/`` (the simulated players' devices:
+device-side, the only place their ids exist) and ``server/`` (the A.2 intake pool, the round
+checkpoint, the MLflow run id). The aggregated adapter is published to
+``artifacts/federated/<base>/<register>-<fp>/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlflow
+
+from nimmer_train import tracking
+from nimmer_train.adapters import read_metadata
+from nimmer_train.artifacts import fingerprint, intact_manifest, read_manifest, source_fingerprint
+from nimmer_train.config import Config
+from nimmer_train.errors import NimmerError
+from nimmer_train.federation import client, local, mods, results, server, wire
+from nimmer_train.federation.app import client_app, server_app
+from nimmer_train.federation.client import Node
+from nimmer_train.federation.population import build_population, deliver_uploads
+from nimmer_train.federation.server import ServerSetup, ServerState
+from nimmer_train.lora_stage import LoraResult
+from nimmer_train.privacy.a2_pool import pool_summary
+
+log = logging.getLogger(__name__)
+FED_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FederationResult:
+    adapter: Path
+    metadata: dict[str, Any]
+    records: list[dict[str, Any]]
+    folder: Path  # devices/ and server/ of this federation
+
+
+def locate(cfg: Config, loras: LoraResult | None) -> tuple[Path, Path, str]:
+    """(base dir, start adapter dir, register) for this federation."""
+    s = cfg.federated
+    if s.adapter_dir:
+        adapter = Path(s.adapter_dir)
+    elif loras is not None and loras.adapters:
+        register = s.register or next(iter(loras.adapters))
+        if register not in loras.adapters:
+            raise NimmerError(
+                f"federated.register={register!r} has no trained adapter; "
+                f"trained: {', '.join(loras.adapters)}"
+            )
+        adapter = loras.adapters[register]
+    else:
+        adapter = _find_adapter(cfg)
+    meta = read_metadata(adapter)
+    base = (
+        Path(cfg.lora.base_dir)
+        if cfg.lora.base_dir
+        else cfg.paths.artifacts_dir() / "base" / meta["base"]["label"]
+    )
+    if not (base / "manifest.json").exists():
+        raise NimmerError(f"adapter {adapter} names base {meta['base']['label']}, which is not at {base}")
+    return base, adapter, meta["register"]
+
+
+def _find_adapter(cfg: Config) -> Path:
+    root = cfg.paths.artifacts_dir() / "loras"
+    register = cfg.federated.register or (cfg.lora.registers or cfg.registers.names)[0]
+    found = sorted(
+        (p for p in root.glob(f"*/{register}-*") if intact_manifest(p)), key=lambda p: p.stat().st_mtime
+    )
+    if not found:
+        raise NimmerError(
+            f"no trained adapter for register {register!r} under {root}: run "
+            "`python -m pipelines.train_loras` with the same overrides first, or set federated.adapter_dir"
+        )
+    return found[-1]
+
+
+def federate_stage(
+    cfg: Config, loras: LoraResult | None = None, pipeline: str = "federate"
+) -> FederationResult:
+    s = cfg.federated
+    base_dir, adapter_dir, register = locate(cfg, loras)
+    settings = dataclasses.asdict(s)
+    for key in ("enabled", "register", "adapter_dir"):
+        settings.pop(key)
+    fp = fingerprint(
+        {
+            "version": FED_VERSION,
+            "code": source_fingerprint(client, local, mods, results, server, wire, sys.modules[__name__]),
+            "adapter": read_manifest(adapter_dir)["fingerprint"],
+            "settings": settings,
+        }
+    )
+    out = cfg.paths.artifacts_dir() / "federated" / base_dir.name / f"{register}-{fp[:12]}"
+    folder = Path(cfg.paths.workdir).resolve() / "federation" / fp[:12]
+    if intact_manifest(out):
+        print(f"federated adapter: {out} (up to date)")
+        meta = read_metadata(out)
+        return FederationResult(out, meta, _records(out), folder)
+    from nimmer_train.embedding import SentenceEmbedder
+
+    population = build_population(folder / "devices", s, SentenceEmbedder())
+    pool = folder / "server" / "a2_pool.sqlite"
+    deliver_uploads(population, pool, s.a2_k)
+    nodes = [Node(base_dir, adapter_dir, device=d) for d in population.devices]
+    nodes.append(Node(base_dir, adapter_dir, a2_pool=pool))  # the server-operated A.2 client
+    work = folder / "server" / "rounds"
+    run_file = folder / "server" / "mlflow_run_id"
+    resume = run_file.read_text().strip() if run_file.exists() else None
+    with tracking.stage_run(cfg, pipeline, "federate", resume_run_id=resume) as run_id:
+        if run_id:
+            run_file.write_text(run_id)
+            mlflow.set_tags({"register": register, "start_adapter": str(adapter_dir), "federation": fp[:12]})
+        logger = tracking.metric_logger(run_id, cfg.tracking.tracking_uri() if run_id else None)
+        published: dict[str, Any] = {}
+
+        def report(record: dict[str, Any]) -> None:
+            values = {k: float(v) for k, v in record.items() if isinstance(v, int | float) and k != "round"}
+            if record.get("bytes_per_client"):
+                values["bytes_per_client_mean"] = sum(record["bytes_per_client"]) / len(
+                    record["bytes_per_client"]
+                )
+                values["bytes_per_client_max"] = float(max(record["bytes_per_client"]))
+            values["rejected"] = float(len(record.get("rejected", [])))
+            logger(values, int(record["round"]))
+
+        def setup_of(_: Any, settings_: Any) -> ServerSetup:
+            return server.make_setup(base_dir, adapter_dir, work, s, pool)
+
+        def done(_: Any, settings_: Any, setup: ServerSetup, state: ServerState) -> None:
+            published.update(
+                results.publish_federated(
+                    out, setup.model, adapter_dir, fp, s, state, pool_summary(pool, s.a2_k)
+                )
+            )
+
+        sapp = server_app(lambda _: s, setup_of, done, lambda _: report)
+        drills = _drills(s)
+        capp = client_app(
+            lambda ctx: nodes[int(ctx.node_config["partition-id"])], s.secure_aggregation, drills
+        )
+        started = time.monotonic()
+        _simulate(sapp, capp, len(nodes))
+        if not published:
+            raise NimmerError("the federation ended without publishing; see the log above")
+        if run_id:
+            fed = published["federation"]
+            mlflow.log_metrics(
+                {
+                    "epsilon_a1_user_level": fed["epsilon_a1_user_level"],
+                    "epsilon_a2_record_level": fed["epsilon_a2_record_level"],
+                    "contributors_a1": fed["contributors_a1"],
+                    "uploads_a2": fed["uploads_a2"],
+                    "federation_seconds": time.monotonic() - started,
+                }
+            )
+            mlflow.set_tags({"federated_adapter": str(out), "stopped": str(fed["stopped"])})
+            for name in (results.ROUNDS, results.CONTRIBUTED, results.CARD):
+                mlflow.log_artifact(str(out / name), "federation")
+    fed = published["federation"]
+    after = fed["heldout_loss_after"]
+    print(
+        f"federated adapter: {out} ({fed['rounds']} rounds, stopped: {fed['stopped']}); held-out loss "
+        f"{fed['heldout_loss_before']:.3f} -> {after if after is None else f'{after:.3f}'}; epsilon A.1 "
+        f"{fed['epsilon_a1_user_level']:.3f} (user), A.2 {fed['epsilon_a2_record_level']:.3f} (record) "
+        f"at delta {s.delta:g}"
+    )
+    return FederationResult(out, published, _records(out), folder)
+
+
+def _records(out: Path) -> list[dict[str, Any]]:
+    import json
+
+    return json.loads((out / results.ROUNDS).read_text())
+
+
+def _drills(s: Any) -> Any:
+    if not s.faults:
+        return None
+    by_partition: dict[int, dict[int, str]] = {}
+    for key, fault in s.faults.items():
+        partition, rnd = (int(x) for x in key.split(":"))
+        by_partition.setdefault(partition, {})[rnd] = fault
+
+    def drills(ctx: Any) -> dict[int, str]:
+        return by_partition.get(int(ctx.node_config["partition-id"]), {})
+
+    return drills
+
+
+def _simulate(sapp: Any, capp: Any, nodes: int) -> None:
+    """Flower's simulation engine (Ray), one CPU per virtual node, quiet unless something fails."""
+    import warnings
+
+    from flwr.simulation import run_simulation
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    cpus = os.cpu_count() or 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        run_simulation(
+            server_app=sapp,
+            client_app=capp,
+            num_supernodes=nodes,
+            backend_config={
+                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                "init_args": {"num_cpus": min(cpus, 4), "include_dashboard": False, "logging_level": "ERROR"},
+            },
+        )

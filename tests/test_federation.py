@@ -1,0 +1,164 @@
+"""Federated rounds: the Flower app on the simulation engine (run_all's federation on ci_tiny),
+accounting checked against Opacus's accountant, planted identifiers searched for in everything
+the server side wrote, and a faulty, killed and budget-stopped federation."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from opacus.accountants import RDPAccountant
+
+from nimmer_train.adapters import load_adapter, read_metadata
+from nimmer_train.artifacts import verify_manifest
+from nimmer_train.federation.client import device_examples
+from nimmer_train.federation.settings import FederatedConfig
+from nimmer_train.federation.wire import AdapterSpec, check_update
+from nimmer_train.memory.consent import PROFILE_FILE
+from tests.conftest import REPO, kill_when, run_pipeline
+
+
+def _only(folder: Path) -> Path:
+    (item,) = [p for p in folder.iterdir() if not p.name.startswith(".")]
+    return item
+
+
+def _federation(workdir: Path) -> tuple[Path, Path]:
+    """(published adapter, federation folder with devices/ and server/) of the one federation."""
+    adapter = _only(_only(workdir / "artifacts/federated"))
+    return adapter, _only(workdir / "federation")
+
+
+def _rdp(steps: list[tuple[float, float]]) -> float:
+    accountant = RDPAccountant()
+    for noise, rate in steps:
+        accountant.step(noise_multiplier=noise, sample_rate=rate)
+    return accountant.get_epsilon(delta=1e-5)
+
+
+def test_run_config_mirrors_the_hydra_defaults() -> None:
+    yaml_defaults = yaml.safe_load((REPO / "conf/federated/default.yaml").read_text())
+    from_yaml = FederatedConfig(**yaml_defaults)
+    assert from_yaml == FederatedConfig()
+    pyproject = tomllib.loads((REPO / "federated/pyproject.toml").read_text())
+    deployed = FederatedConfig.from_run_config(pyproject["tool"]["flwr"]["app"]["config"])
+    assert FederatedConfig.from_run_config(from_yaml.to_run_config()) == from_yaml
+    simulation_only = {"enabled", "contributors", "population", "entries_per_player", "faults"}
+    for name in FederatedConfig.__dataclass_fields__:
+        if name not in simulation_only:
+            assert getattr(deployed, name) == getattr(from_yaml, name), name
+
+
+def test_update_checks_name_what_is_wrong() -> None:
+    spec = AdapterSpec(("a", "b"), ((2, 3), (4,)))
+    good = [np.zeros((2, 3), np.float32), np.ones(4, np.float32)]
+    assert check_update(good, spec) is None
+    assert "tensors" in check_update(good[:1], spec)
+    assert "shape" in check_update([np.zeros((3, 2), np.float32), good[1]], spec)
+    assert "dtype" in check_update([good[0].astype(np.float64), good[1]], spec)
+    assert "NaN" in check_update([good[0], np.array([1, np.inf, 0, 0], np.float32)], spec)
+
+
+def test_federation_improves_the_adapter_and_accounts_privacy(tiny_run: Path) -> None:
+    adapter, _ = _federation(tiny_run)
+    assert verify_manifest(adapter) == []
+    meta = read_metadata(adapter)
+    fed = meta["federation"]
+    records = json.loads((adapter / "rounds.json").read_text())
+    assert [r["round"] for r in records] == [1, 2] and all(r["accepted"] for r in records)
+    assert fed["heldout_loss_after"] < fed["heldout_loss_before"]
+    # only the LoRA tensors (+ one count) cross the wire, masked: 8 bytes per coordinate
+    for r in records:
+        assert len(r["bytes_per_client"]) == r["participants"] == 7
+        coordinates = r["update_bytes"] // 4
+        assert all(8 * coordinates <= b <= 8 * coordinates + 4096 for b in r["bytes_per_client"])
+    # reported epsilons equal Opacus's accountant fed the same mechanisms
+    assert fed["epsilon_a1_user_level"] == pytest.approx(_rdp([(0.01, 1.0)] * 2), rel=1e-9)
+    a2_rate = 1 / -(-min(records[0]["examples_a2"], 256) // 16)
+    assert fed["epsilon_a2_record_level"] == pytest.approx(_rdp([(1.0, a2_rate)] * 12), rel=1e-9)
+    assert fed["contributors_a1"] == 3 and fed["uploads_a2"] == 2
+    card = (adapter / "data_card.md").read_text()
+    assert "A1_federated" in card and f"{fed['epsilon_a2_record_level']:.3f}" in card
+    # the register-LoRA format: loads on its base with the adapter loader
+    model = load_adapter(tiny_run / "artifacts/base" / meta["base"]["label"], adapter)
+    assert meta["register"] in model.peft_config
+
+
+def test_planted_player_ids_never_reach_the_server_side(tiny_run: Path) -> None:
+    _, federation = _federation(tiny_run)
+    devices = federation / "devices"
+    planted = []
+    for profile in devices.glob(f"*/{PROFILE_FILE}"):
+        data = json.loads(profile.read_text())
+        planted += [data["player_id"].encode(), data["player_name"].encode()]
+    assert len(planted) == 12
+    device_bytes = b"".join(p.read_bytes() for p in devices.rglob("*") if p.is_file())
+    assert all(token in device_bytes for token in planted)  # the search can find them
+    server_files = [p for p in tiny_run.rglob("*") if p.is_file() and devices not in p.parents]
+    assert any(p.name == "run_all.log" for p in server_files)
+    assert any(p.name == "a2_pool.sqlite" for p in server_files)
+    hits = [
+        (str(p.relative_to(tiny_run)), token.decode())
+        for p in server_files
+        for token in planted
+        if token in p.read_bytes() or token.lower() in p.read_bytes().lower()
+    ]
+    assert hits == []
+
+
+def test_opted_out_devices_share_nothing(tiny_run: Path) -> None:
+    _, federation = _federation(tiny_run)
+    population = json.loads((federation / "devices/.population.json").read_text())
+    for name, tier in zip(population["devices"], population["tiers"], strict=True):
+        texts, contributor = device_examples(federation / "devices" / name)
+        if tier == "A1_federated":
+            assert contributor and all("[player]" in t or ":" in t for t in texts)
+        else:  # opt_out and A2 players share nothing through A.1 and have no A.1 id
+            assert texts == [] and contributor is None
+
+
+@pytest.mark.slow
+def test_faulty_killed_federation_resumes_and_stops_at_the_budget(tiny_run: Path, tmp_path: Path) -> None:
+    """Round 1: node 1 crashes, node 2 sends a wrong-shaped masked vector; round 2: node 3 sends
+    NaN. The server is killed after round 1 and resumes; the budget stops it before round 3."""
+    overrides = [
+        "experiment=ci_tiny",
+        "federated.rounds=3",
+        "federated.seed=1",
+        "federated.noise_multiplier=0.5",
+        "federated.epsilon_budget=19.0",  # A.1 at z=0.5, q=1: 16.5 after two rounds, 21.4 after three
+        "federated.local_steps=2",
+        "federated.faults={'1:1':crash,'2:1':wrong_shape,'3:2':nan}",
+    ]
+    workdir = tmp_path / "w"
+    base = _only(tiny_run / "artifacts/base")
+    overrides += [
+        f"lora.base_dir={base}",
+        f"federated.adapter_dir={sorted((tiny_run / 'artifacts/loras' / base.name).iterdir())[-1]}",
+    ]
+
+    def round_one_done() -> bool:
+        return any(
+            json.loads(p.read_text())["round"] == 1
+            for p in workdir.glob("federation/*/server/rounds/state.json")
+        )
+
+    kill_when("federate", workdir, *overrides, ready=round_one_done, timeout=240)
+    proc = run_pipeline("federate", workdir, *overrides, timeout=300)
+    assert "resuming the federation after round 1" in proc.stdout + proc.stderr
+    adapter = _only(_only(workdir / "artifacts/federated"))
+    records = json.loads((adapter / "rounds.json").read_text())
+    assert [r["round"] for r in records] == [1, 2]
+    one, two = records
+    assert one["failures"] == 1 and len(one["rejected"]) == 1 and "shape" in one["rejected"][0]
+    assert one["participants"] == 5 and one["accepted"]
+    assert len(two["rejected"]) == 1 and "dtype" in two["rejected"][0] and two["accepted"]
+    fed = read_metadata(adapter)["federation"]
+    assert fed["stopped"].startswith("budget") and "round 3" in fed["stopped"]
+    assert fed["epsilon_a1_user_level"] == pytest.approx(_rdp([(0.5, 1.0)] * 2), rel=1e-9)
+    for r in records:
+        assert np.isfinite(r["heldout_loss"])
