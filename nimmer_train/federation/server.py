@@ -68,8 +68,8 @@ Report = Callable[[dict[str, Any]], None]
 class RoundOutcome:
     """What the strategy saw of one round (never an individual update)."""
 
+    sampled: int = 0
     participants: int = 0
-    failures: int = 0
     accepted: bool = False
     reason: str = ""
     examples: int = 0  # sum over contributors, learnt only as part of the aggregate
@@ -100,8 +100,9 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, Any]]:
-        self.outcome = RoundOutcome()
-        return super().configure_fit(server_round, parameters, client_manager)
+        chosen = super().configure_fit(server_round, parameters, client_manager)
+        self.outcome = RoundOutcome(sampled=len(chosen))
+        return chosen
 
     def aggregate_fit(
         self,
@@ -110,7 +111,7 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
         failures: list[Any],
     ) -> tuple[Parameters | None, dict[str, Any]]:
         out = self.outcome
-        out.participants, out.failures = len(results), len(failures)
+        out.participants = len(results)
         out.contributors = sorted(
             {str(r.metrics["contributor"]) for _, r in results if "contributor" in r.metrics}
         )
@@ -177,9 +178,15 @@ class ScreeningGrid:
             blobs = list(configs[Key.MASKED_PARAMETERS])
             self.bytes.append(sum(len(b) for b in blobs))
             masked = [bytes_to_ndarray(b) for b in blobs]
-            if [a.shape for a in masked] != [(1,), *shapes]:
+            expected = [(1,), *shapes]  # SecAgg+'s weight factor, the tensors, the count
+            got = [a.shape for a in masked]
+            if got != expected:
+                at = next(
+                    (i for i, (g, e) in enumerate(zip(got, expected, strict=False)) if g != e), len(got)
+                )
                 return (
-                    f"masked vector of shapes {[a.shape for a in masked][:4]}..., expected {len(shapes) + 1}"
+                    f"masked vector does not fit the adapter: {len(got)} arrays, {len(expected)} "
+                    f"expected, first mismatch at array {at}"
                 )
             bad = [str(a.dtype) for a in masked if a.dtype.kind not in "iu"]
             return f"masked vector of dtype {bad[0]}, expected integers" if bad else None
@@ -350,8 +357,9 @@ def serve(
             out = strategy.outcome
             record: dict[str, Any] = {
                 "round": server_round,
+                "sampled": out.sampled,
                 "participants": out.participants,
-                "failures": out.failures,
+                "dropped": out.sampled - out.participants - len(screen.rejected),  # failed or timed out
                 "rejected": screen.rejected,
                 "bytes_per_client": screen.bytes,
                 "update_bytes": spec.nbytes,
@@ -396,7 +404,7 @@ def _evaluate(setup: ServerSetup, arrays: list[np.ndarray]) -> float:
 def _summary(record: dict[str, Any]) -> str:
     keys = (
         "participants",
-        "failures",
+        "dropped",
         "accepted",
         "heldout_loss",
         "epsilon_a1_user_level",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +67,7 @@ class FederatedConfig:
     )
     entries_per_player: int = 60
     seed: int = 0
-    faults: dict[str, str] = field(default_factory=dict)  # simulation drills: "<partition>:<round>" -> fault
+    faults: list[str] = field(default_factory=list)  # simulation drills: "<fault>@<partition>.<round>"
 
     def __post_init__(self) -> None:
         for name in ("rounds", "min_participants", "local_steps", "batch_size", "max_length", "a2_k"):
@@ -95,11 +96,22 @@ class FederatedConfig:
         for tier in self.population:
             if tier not in TIER_CHOICES:
                 raise ConfigError("federated.population", f"{tier!r} is not one of {', '.join(TIER_CHOICES)}")
-        for key, fault in self.faults.items():
-            if fault not in FAULTS or len(key.split(":")) != 2:
+        for drill in self.faults:
+            match = re.fullmatch(r"(\w+)@\d+\.\d+", drill)
+            if not match or match.group(1) not in FAULTS:
                 raise ConfigError(
-                    f"federated.faults.{key}", f"want '<partition>:<round>': one of {', '.join(FAULTS)}"
+                    "federated.faults",
+                    f"{drill!r}: want <fault>@<partition>.<round>, a fault in {', '.join(FAULTS)}",
                 )
+
+    def drills(self) -> dict[int, dict[int, str]]:
+        """{partition: {round: fault}} from ``faults``."""
+        out: dict[int, dict[int, str]] = {}
+        for drill in self.faults:
+            fault, where = drill.split("@")
+            partition, server_round = (int(x) for x in where.split("."))
+            out.setdefault(partition, {})[server_round] = fault
+        return out
 
     def secagg(self) -> tuple[int | float, int | float]:
         """(num_shares, reconstruction_threshold) as Flower reads them: a float is a fraction."""

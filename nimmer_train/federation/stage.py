@@ -187,10 +187,7 @@ def _records(out: Path) -> list[dict[str, Any]]:
 def _drills(s: Any) -> Any:
     if not s.faults:
         return None
-    by_partition: dict[int, dict[int, str]] = {}
-    for key, fault in s.faults.items():
-        partition, rnd = (int(x) for x in key.split(":"))
-        by_partition.setdefault(partition, {})[rnd] = fault
+    by_partition = s.drills()
 
     def drills(ctx: Any) -> dict[int, str]:
         return by_partition.get(int(ctx.node_config["partition-id"]), {})
