@@ -6,6 +6,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+export FLWR_TELEMETRY_ENABLED := 0
+export FLWR_DISABLE_UPDATE_CHECK := 1
 
 .PHONY: install demo test lint bench clean
 

@@ -17,6 +17,8 @@ CORPUS = REPO.parent / "shared" / "corpora" / "literary"
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # Flower may not call out of the machine
+os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -201,6 +201,7 @@ def _simulate(sapp: Any, capp: Any, nodes: int) -> None:
 
     from flwr.simulation import run_simulation
 
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no calls out of the machine
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     cpus = os.cpu_count() or 1
