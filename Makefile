@@ -35,6 +35,7 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_loras
 	$(BIN)/python -m benchmarks.bench_memory
 	$(BIN)/python -m benchmarks.bench_dp
+	$(BIN)/python -m benchmarks.bench_federated
 
 clean:
 	rm -rf artifacts mlartifacts mlflow.db outputs multirun benchmarks/results

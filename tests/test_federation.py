@@ -132,6 +132,7 @@ def test_faulty_killed_federation_resumes_and_stops_at_the_budget(tiny_run: Path
         "federated.noise_multiplier=0.5",
         "federated.epsilon_budget=19.0",  # A.1 at z=0.5, q=1: 16.5 after two rounds, 21.4 after three
         "federated.local_steps=2",
+        "federated.contributors=4",  # + the A.2 node: five sampled
         "federated.faults=[crash@1.1,wrong_shape@2.1,nan@3.2]",
     ]
     workdir = tmp_path / "w"
@@ -154,7 +155,7 @@ def test_faulty_killed_federation_resumes_and_stops_at_the_budget(tiny_run: Path
     records = json.loads((adapter / "rounds.json").read_text())
     assert [r["round"] for r in records] == [1, 2]
     one, two = records
-    assert one["sampled"] == 7 and one["dropped"] == 1 and one["participants"] == 5 and one["accepted"]
+    assert one["sampled"] == 5 and one["dropped"] == 1 and one["participants"] == 3 and one["accepted"]
     assert len(one["rejected"]) == 1 and "does not fit the adapter" in one["rejected"][0]
     assert len(two["rejected"]) == 1 and "dtype" in two["rejected"][0] and two["accepted"]
     fed = read_metadata(adapter)["federation"]

@@ -31,6 +31,7 @@ def client_app(
     node_of: NodeOf,
     secure_aggregation: bool = True,
     drills: Callable[[Context], dict[int, str]] | None = None,
+    extra_mods: list[Any] | None = None,
 ) -> ClientApp:
     """A ClientApp whose updates are validated, clipped, count-weighted and (by default) masked.
 
@@ -43,7 +44,7 @@ def client_app(
         crash = frozenset(r for r, f in faults.items() if f == "crash")
         return Contributor(node_of(context), crash).to_client()
 
-    mods = [equal_weight_mod, clip_mod, validate_mod]
+    mods = [equal_weight_mod, clip_mod, validate_mod, *(extra_mods or [])]  # extra: innermost (benchmarks)
     if secure_aggregation:
         mods.insert(0, secaggplus_mod)
     if drills is not None:
