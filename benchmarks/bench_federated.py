@@ -21,42 +21,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from peft import LoraConfig, get_peft_model
-
-from nimmer_train.adapters import METADATA, base_identity
-from nimmer_train.artifacts import write_json_atomic, write_manifest
-from nimmer_train.config import ModelConfig
 from nimmer_train.embedding import SentenceEmbedder
 from nimmer_train.federation import stage
 from nimmer_train.federation.app import client_app, server_app
-from nimmer_train.federation.client import Node, example_text
+from nimmer_train.federation.client import Node
 from nimmer_train.federation.population import build_population
 from nimmer_train.federation.server import make_setup
 from nimmer_train.federation.settings import FederatedConfig
-from nimmer_train.memory.synthetic import heldout_examples
-from nimmer_train.modeling import build_model, count_parameters
-from nimmer_train.tokenizer import train_bpe
+from tests.flower_deployment import tiny_release
 
 TIMINGS = "fit_seconds.jsonl"
-
-
-def release(folder: Path) -> tuple[Path, Path, int]:
-    """A tiny published base and a register adapter on it: (base dir, adapter dir, base params)."""
-    texts = [example_text(e) for e in heldout_examples(2000, seed=1)]
-    tokenizer = train_bpe(texts, 512, 256)
-    model = build_model(
-        ModelConfig(name="tiny"), len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, 0
-    )
-    base = folder / "base" / "tiny-bench"
-    model.save_pretrained(base)
-    tokenizer.save_pretrained(base)
-    write_manifest(base, "base", "bench", {})
-    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-    adapter = folder / "adapter"
-    peft.save_pretrained(adapter)
-    write_json_atomic(adapter / METADATA, {"register": "bench", "base": base_identity(base)})
-    write_manifest(adapter, "register_adapter", "bench", {})
-    return base, adapter, count_parameters(model)
 
 
 def timing_mod(folder: Path) -> Any:
@@ -131,7 +105,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        base, adapter, params = release(Path(tmp))
+        base, adapter, params = tiny_release(Path(tmp))
         embedder = SentenceEmbedder()
         report: dict[str, Any] = {
             "model": "tiny",

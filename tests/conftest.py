@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -73,3 +73,17 @@ def kill_when(
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def flower_two_rounds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """The Flower deployment run (tests/test_federation_deploy.py), started in the background when
+    the session begins, when that test is selected; the test joins it."""
+    if not any(item.nodeid.startswith("tests/test_federation_deploy.py") for item in request.session.items):
+        yield None
+        return
+    from tests.test_federation_deploy import start
+
+    job = start(tmp_path_factory.mktemp("flower_deployment"))
+    yield job
+    job.join(timeout=60)

@@ -13,6 +13,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -263,3 +264,56 @@ def _wait_healthy(port: int, ca: Path, timeout: float = 60) -> None:
             pass
         assert time.monotonic() < deadline, f"the SuperLink did not answer over TLS within {timeout} s"
         time.sleep(0.2)
+
+
+def tiny_release(folder: Path) -> tuple[Path, Path, int]:
+    """A tiny published base (tokenizer trained here) and a register adapter on it:
+    (base dir, adapter dir, base parameter count)."""
+    from peft import LoraConfig, get_peft_model
+
+    from nimmer_train.adapters import METADATA, base_identity
+    from nimmer_train.artifacts import write_json_atomic, write_manifest
+    from nimmer_train.config import ModelConfig
+    from nimmer_train.federation.client import example_text
+    from nimmer_train.memory.synthetic import heldout_examples
+    from nimmer_train.modeling import build_model, count_parameters
+    from nimmer_train.tokenizer import train_bpe
+
+    tokenizer = train_bpe([example_text(e) for e in heldout_examples(2000, seed=1)], 512, 256)
+    model = build_model(
+        ModelConfig(name="tiny"), len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, 0
+    )
+    base = folder / "base" / "tiny-release"
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    write_manifest(base, "base", "test", {})
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    adapter = folder / "adapter"
+    peft.save_pretrained(adapter)
+    write_json_atomic(adapter / METADATA, {"register": "caste-preacher", "base": base_identity(base)})
+    write_manifest(adapter, "register_adapter", "test", {})
+    return base, adapter, count_parameters(model)
+
+
+class Background(threading.Thread):
+    """``job(work)`` in a thread; :meth:`outcome` joins it and returns its result or raises its
+    error. For deployment runs that mostly wait on Flower's polling: the suite goes on meanwhile."""
+
+    def __init__(self, job: Any, work: Path) -> None:
+        super().__init__(daemon=True)
+        self.job, self.work = job, work
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.job(self.work)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test that reads it
+            self.error = exc
+
+    def outcome(self, timeout: float) -> Any:
+        self.join(timeout)
+        assert not self.is_alive(), f"the background deployment did not finish within {timeout} s"
+        if self.error is not None:
+            raise self.error
+        return self.result
