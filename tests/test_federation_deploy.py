@@ -19,6 +19,7 @@ from mlflow.tracking import MlflowClient
 from nimmer_train.adapters import read_metadata
 from nimmer_train.federation.population import build_population, deliver_uploads
 from nimmer_train.federation.settings import FederatedConfig
+from nimmer_train.memory.consent import PROFILE_FILE
 from tests.flower_deployment import Background, deployment, tiny_release
 from tests.memory_helpers import HashEmbedder
 
@@ -51,7 +52,22 @@ def two_rounds(work: Path) -> dict[str, Any]:
         flower.run(REPO / "federated", run_config)
         run_seconds = time.monotonic() - started
         stopping = time.monotonic()
+    planted = []
+    for device in population.devices:
+        profile = json.loads((device / PROFILE_FILE).read_text())
+        planted += [profile["player_id"], profile["player_name"]]
+    # the server's side: the SuperLink's log, the A.2 node's (server-operated), everything the
+    # ServerApp wrote, the A.2 pool and the MLflow store; A.1 nodes' logs stay on their devices
+    server_side = [
+        work / "flower/logs/superlink.log",
+        work / "flower/logs/supernode2.log",
+        work / "mlflow.db",
+    ]
+    server_side += [p for folder in ("out", "server") for p in (work / folder).rglob("*") if p.is_file()]
+    hits = [(str(p), t) for p in server_side for t in planted if t.lower().encode() in p.read_bytes().lower()]
     return {
+        "planted": len(planted),
+        "hits": hits,
         "uploads": uploads,
         "killed": flower.killed,
         "shutdown_seconds": time.monotonic() - stopping,
@@ -72,6 +88,7 @@ def start(work: Path) -> Background:
 def test_superlink_and_three_supernodes_over_tls(flower_two_rounds: Background) -> None:
     result = flower_two_rounds.outcome(timeout=600)
     assert result["uploads"] == 2
+    assert result["planted"] == 8 and result["hits"] == []
     assert result["killed"] == [] and result["shutdown_seconds"] < 30 and result["all_exited"]
     (published,) = result["out"].iterdir()
     records = json.loads((published / "rounds.json").read_text())
