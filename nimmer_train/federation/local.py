@@ -52,9 +52,17 @@ class LocalResult:
     epsilon: float  # this contributor's record-level epsilon so far, at the accountant's delta
 
 
+def encode_rows(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int
+) -> list[dict[str, list[int]]]:
+    """Token ids ending in EOS, with every token a label (the rows train_loras.heldout_loss reads)."""
+    rows = [tokenizer(t)["input_ids"][: max_length - 1] + [tokenizer.eos_token_id] for t in texts]
+    return [{"input_ids": r, "labels": r} for r in rows]
+
+
 def encode(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int) -> TensorDataset:
     """Right-padded token ids and labels (pads are -100), one row per text, ending in EOS."""
-    rows = [tokenizer(t)["input_ids"][: max_length - 1] + [tokenizer.eos_token_id] for t in texts]
+    rows = [r["input_ids"] for r in encode_rows(tokenizer, texts, max_length)]
     width = max(len(r) for r in rows)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
@@ -127,18 +135,3 @@ def _saved_epsilon(accountant_file: Path, delta: float) -> float:
     if not accountant_file.exists():
         return 0.0
     return epsilon([tuple(h) for h in json.loads(accountant_file.read_text())["history"]], delta)
-
-
-@torch.no_grad()
-def heldout_loss(model: torch.nn.Module, data: TensorDataset) -> float:
-    """Token-weighted mean next-token loss over ``data``."""
-    model.eval()
-    total, count = 0.0, 0
-    for ids, labels in DataLoader(data, batch_size=16):
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        target = labels[:, 1:]
-        total += torch.nn.functional.cross_entropy(
-            logits.transpose(1, 2), target, ignore_index=-100, reduction="sum"
-        ).item()
-        count += int((target != -100).sum())
-    return total / max(count, 1)

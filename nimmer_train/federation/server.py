@@ -46,7 +46,6 @@ from flwr.serverapp.grid import Grid
 from flwr.supercore.differential_privacy import add_gaussian_noise_to_params
 
 from nimmer_train.artifacts import write_json_atomic
-from nimmer_train.federation.local import heldout_loss
 from nimmer_train.federation.settings import FederatedConfig
 from nimmer_train.federation.wire import (
     EXAMPLES_SCALE,
@@ -58,6 +57,7 @@ from nimmer_train.federation.wire import (
 )
 from nimmer_train.privacy.a2_pool import pool_summary
 from nimmer_train.privacy.accounting import BudgetExceeded, Ledger, Step
+from nimmer_train.train_loras import heldout_loss
 
 log = logging.getLogger(__name__)
 FIT_PARAMS = "fitres.parameters"
@@ -244,7 +244,8 @@ class ServerSetup:
     """Where the server's inputs and state live (all on the server's side)."""
 
     model: Any  # the base with the register adapter, for evaluation and saving
-    heldout: Any  # TensorDataset of server-side held-out examples
+    heldout: list[dict[str, list[int]]]  # server-side held-out examples, tokenised
+    pad_id: int
     work: Path
     a2_pool: Path | None = None  # the A.2 intake, when the server knows where it is (for planning)
 
@@ -257,16 +258,16 @@ def make_setup(
     from transformers import AutoTokenizer
 
     from nimmer_train.federation.client import example_text
-    from nimmer_train.federation.local import encode, load_trainable
+    from nimmer_train.federation.local import encode_rows, load_trainable
     from nimmer_train.memory.synthetic import heldout_examples
 
     model = load_trainable(base_dir, adapter_dir)[0].eval()
     texts = [
         example_text(e) for e in heldout_examples(settings.heldout_examples, seed=10_000 + settings.seed)
     ]
-    return ServerSetup(
-        model, encode(AutoTokenizer.from_pretrained(base_dir), texts, settings.max_length), work, a2_pool
-    )
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    rows = encode_rows(tokenizer, texts, settings.max_length)
+    return ServerSetup(model, rows, tokenizer.pad_token_id, work, a2_pool)
 
 
 def fit_config(settings: FederatedConfig, spec: AdapterSpec) -> dict[str, Any]:
@@ -398,7 +399,7 @@ def serve(
 
 def _evaluate(setup: ServerSetup, arrays: list[np.ndarray]) -> float:
     set_arrays(setup.model, arrays)
-    return heldout_loss(setup.model, setup.heldout)
+    return heldout_loss(setup.model, setup.heldout, setup.pad_id)
 
 
 def _summary(record: dict[str, Any]) -> str:
