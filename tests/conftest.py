@@ -75,45 +75,15 @@ def kill_when(
         proc.wait()
 
 
-# Long jobs that mostly wait (Flower's polls, process start-up): each starts in a background thread
-# when the session begins, if its test is selected, and its test joins it. nodeid -> "module:job".
-BACKGROUND = {
-    "tests/test_federation_deploy.py::test_superlink_and_three_supernodes_over_tls": (
-        "tests.test_federation_deploy:two_rounds"
-    ),
-    "tests/test_federation.py::test_faulty_killed_federation_resumes_and_stops_at_the_budget": (
-        "tests.test_federation:faulty_federation"
-    ),
-}
-
-
 @pytest.fixture(scope="session", autouse=True)
-def background_jobs(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict]:
-    import importlib
+def flower_two_rounds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """The Flower deployment run (tests/test_federation_deploy.py), started in the background when
+    the session begins, when that test is selected; the test joins it."""
+    if not any(item.nodeid.startswith("tests/test_federation_deploy.py") for item in request.session.items):
+        yield None
+        return
+    from tests.test_federation_deploy import start
 
-    from tests.flower_deployment import Background
-
-    selected = {item.nodeid for item in request.session.items}
-    jobs = {}
-    for nodeid, target in BACKGROUND.items():
-        if nodeid in selected:
-            module, name = target.split(":")
-            jobs[nodeid] = Background(
-                getattr(importlib.import_module(module), name), tmp_path_factory.mktemp(name)
-            )
-            jobs[nodeid].start()
-    yield jobs
-    for job in jobs.values():
-        job.join(timeout=60)
-
-
-@pytest.fixture
-def flower_two_rounds(background_jobs: dict, request: pytest.FixtureRequest) -> object:
-    return background_jobs[request.node.nodeid]
-
-
-@pytest.fixture
-def faulty_federation_run(background_jobs: dict, request: pytest.FixtureRequest) -> object:
-    return background_jobs[request.node.nodeid]
+    job = start(tmp_path_factory.mktemp("flower_deployment"))
+    yield job
+    job.join(timeout=60)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +20,6 @@ from nimmer_train.federation.settings import FederatedConfig
 from nimmer_train.federation.wire import AdapterSpec, check_update
 from nimmer_train.memory.consent import PROFILE_FILE
 from tests.conftest import REPO, kill_when, run_pipeline
-from tests.flower_deployment import Background, tiny_release
 
 
 def _only(folder: Path) -> Path:
@@ -123,16 +121,12 @@ def test_opted_out_devices_share_nothing(tiny_run: Path) -> None:
             assert texts == [] and contributor is None
 
 
-def faulty_federation(work: Path) -> dict[str, Any]:
+@pytest.mark.slow
+def test_faulty_killed_federation_resumes_and_stops_at_the_budget(tiny_run: Path, tmp_path: Path) -> None:
     """Round 1: node 1 crashes, node 2 sends a wrong-shaped masked vector; round 2: node 3 sends
-    NaN. The server is killed after round 1 and resumes; the budget stops it before round 3.
-    Runs in the background from session start (conftest); the test below reads the outcome."""
-    base, adapter, _ = tiny_release(work / "release")
-    workdir = work / "w"
+    NaN. The server is killed after round 1 and resumes; the budget stops it before round 3."""
     overrides = [
         "experiment=ci_tiny",
-        f"lora.base_dir={base}",
-        f"federated.adapter_dir={adapter}",
         "federated.rounds=3",
         "federated.seed=1",
         "federated.noise_multiplier=0.5",
@@ -141,6 +135,12 @@ def faulty_federation(work: Path) -> dict[str, Any]:
         "federated.contributors=4",  # + the A.2 node: five sampled
         "federated.faults=[crash@1.1,wrong_shape@2.1,nan@3.2]",
     ]
+    workdir = tmp_path / "w"
+    base = _only(tiny_run / "artifacts/base")
+    overrides += [
+        f"lora.base_dir={base}",
+        f"federated.adapter_dir={sorted((tiny_run / 'artifacts/loras' / base.name).iterdir())[-1]}",
+    ]
 
     def round_one_done() -> bool:
         return any(
@@ -148,16 +148,10 @@ def faulty_federation(work: Path) -> dict[str, Any]:
             for p in workdir.glob("federation/*/server/rounds/state.json")
         )
 
-    kill_when("federate", workdir, *overrides, ready=round_one_done, timeout=300)
-    proc = run_pipeline("federate", workdir, *overrides, timeout=400)
-    return {"log": proc.stdout + proc.stderr, "workdir": workdir}
-
-
-@pytest.mark.slow
-def test_faulty_killed_federation_resumes_and_stops_at_the_budget(faulty_federation_run: Background) -> None:
-    result = faulty_federation_run.outcome(timeout=600)
-    assert "resuming the federation after round 1" in result["log"]
-    adapter = _only(_only(result["workdir"] / "artifacts/federated"))
+    kill_when("federate", workdir, *overrides, ready=round_one_done, timeout=240)
+    proc = run_pipeline("federate", workdir, *overrides, timeout=300)
+    assert "resuming the federation after round 1" in proc.stdout + proc.stderr
+    adapter = _only(_only(workdir / "artifacts/federated"))
     records = json.loads((adapter / "rounds.json").read_text())
     assert [r["round"] for r in records] == [1, 2]
     one, two = records
