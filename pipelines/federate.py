@@ -2,12 +2,15 @@
 players: ``python -m pipelines.federate [federated.rounds=3 ...]``."""
 
 from nimmer_train.config import Config
-from nimmer_train.federation.stage import federate_stage
 from pipelines.entry import pipeline
 
 
 @pipeline
 def main(cfg: Config) -> None:
+    from nimmer_train.federation.stage import (
+        federate_stage,
+    )  # after the config check: a mistake fails before heavy imports
+
     federate_stage(cfg)
 
 

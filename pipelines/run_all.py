@@ -1,13 +1,14 @@
 """Run every stage in order under one MLflow parent run: ``python -m pipelines.run_all``."""
 
 from nimmer_train.config import Config
-from nimmer_train.stages import run_all
 from nimmer_train.tracking import ui_command
 from pipelines.entry import pipeline
 
 
 @pipeline
 def main(cfg: Config) -> None:
+    from nimmer_train.stages import run_all  # after the config check: a mistake fails before heavy imports
+
     corpus, synth, base, loras, federation = run_all(cfg)
     print("\nProduced:")
     print(f"  corpus dataset + data card  {corpus.path}")

@@ -2,12 +2,15 @@
 ``python -m pipelines.train_loras registers=v1 [overrides]``."""
 
 from nimmer_train.config import Config
-from nimmer_train.lora_stage import train_loras_stage
 from pipelines.entry import pipeline
 
 
 @pipeline
 def main(cfg: Config) -> None:
+    from nimmer_train.lora_stage import (
+        train_loras_stage,
+    )  # after the config check: a mistake fails before heavy imports
+
     train_loras_stage(cfg)
 
 

@@ -1,0 +1,1 @@
+"""Encrypted cloud backups of a player's gameplay LoRAs: sealed on the device, stored as ciphertext."""
