@@ -58,8 +58,8 @@ def count_tokens(text: str) -> int:
     return len(_TOKEN.findall(text))
 
 
-def source_files(corpus: CorpusConfig) -> dict[str, tuple[Path, str | None]]:
-    """(path, sha256 or None when missing) for each selected work; fails if the folder is absent."""
+def corpus_folder(corpus: CorpusConfig) -> Path:
+    """The corpus folder; a clear error when it is absent."""
     folder = Path(corpus.source_dir).resolve()
     if not folder.is_dir():
         raise NimmerError(
@@ -67,6 +67,12 @@ def source_files(corpus: CorpusConfig) -> dict[str, tuple[Path, str | None]]:
             f"`python -m pipelines.fetch_corpus corpus.source_dir={folder}`, or point "
             "corpus.source_dir at a folder of plain-text works."
         )
+    return folder
+
+
+def source_files(corpus: CorpusConfig) -> dict[str, tuple[Path, str | None]]:
+    """(path, sha256 or None when missing) for each selected work; fails if the folder is absent."""
+    folder = corpus_folder(corpus)
     out = {}
     for key, work in corpus.selected_works().items():
         path = folder / work.file

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlflow
 from datasets import load_from_disk
@@ -17,16 +18,19 @@ from nimmer_train import tracking
 from nimmer_train.artifacts import read_manifest, sha256_file, write_json_atomic
 from nimmer_train.build_base import BaseResult, build_base, plan
 from nimmer_train.config import Config
-from nimmer_train.federation.stage import FederationResult, federate_stage
-from nimmer_train.ingest import IngestResult, ingest
-from nimmer_train.lora_stage import LoraResult, train_loras_stage
+from nimmer_train.ingest import IngestResult, corpus_folder, ingest
 from nimmer_train.synthesize import SynthResult, synthesize
+
+if TYPE_CHECKING:  # the later stages' imports (peft, trl, flwr) load only when run_all needs them
+    from nimmer_train.federation.stage import FederationResult
+    from nimmer_train.lora_stage import LoraResult
 
 log = logging.getLogger(__name__)
 
 
 def ingest_stage(cfg: Config, pipeline: str = "ingest") -> IngestResult:
     """Ingest the corpus inside an MLflow run: source lineage, figures, data card, manifest."""
+    corpus_folder(cfg.corpus)  # a missing corpus fails before a run is opened
     with tracking.stage_run(cfg, pipeline, "ingest") as run_id:
         result = ingest(cfg.corpus, cfg.paths.artifacts_dir())
         if run_id:
@@ -144,6 +148,9 @@ def run_all(
     cfg: Config,
 ) -> tuple[IngestResult, SynthResult, BaseResult, LoraResult, FederationResult | None]:
     """Every stage in order, each a nested run under one parent run in experiment run_all."""
+    from nimmer_train.federation.stage import federate_stage
+    from nimmer_train.lora_stage import train_loras_stage
+
     with tracking.stage_run(cfg, "run_all", "run_all"):
         corpus = ingest_stage(cfg, pipeline="run_all")
         synth = synthesize_stage(cfg, pipeline="run_all")
