@@ -15,7 +15,7 @@ from opacus.accountants import RDPAccountant
 
 from nimmer_train.adapters import load_adapter, read_metadata
 from nimmer_train.artifacts import verify_manifest
-from nimmer_train.federation.client import device_examples
+from nimmer_train.federation.client import DEVICE_ACCOUNTANT, device_examples
 from nimmer_train.federation.settings import FederatedConfig
 from nimmer_train.federation.wire import AdapterSpec, check_update
 from nimmer_train.memory.consent import PROFILE_FILE
@@ -117,6 +117,11 @@ def test_opted_out_devices_share_nothing(tiny_run: Path) -> None:
         texts, contributor = device_examples(federation / "devices" / name)
         if tier == "A1_federated":
             assert contributor and all("[player]" in t or ":" in t for t in texts)
+            if texts:  # the device's own accountant carried its DP-SGD steps across both rounds
+                history = json.loads((federation / "devices" / name / DEVICE_ACCOUNTANT).read_text())[
+                    "history"
+                ]
+                assert sum(steps for _, _, steps in history) == 2 * 6
         else:  # opt_out and A2 players share nothing through A.1 and have no A.1 id
             assert texts == [] and contributor is None
 
