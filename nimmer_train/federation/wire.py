@@ -80,6 +80,3 @@ def check_update(arrays: list[np.ndarray], spec: AdapterSpec) -> str | None:
             return f"{name}: NaN or Inf values"
     return None
 
-
-def wire_bytes(arrays: list[np.ndarray]) -> int:
-    return sum(a.nbytes for a in arrays)
