@@ -79,4 +79,3 @@ def check_update(arrays: list[np.ndarray], spec: AdapterSpec) -> str | None:
         if not np.isfinite(array).all():
             return f"{name}: NaN or Inf values"
     return None
-
