@@ -15,6 +15,7 @@ the release is the Gaussian mechanism with noise multiplier ``z`` on a sum of se
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -214,8 +215,6 @@ class ServerState:
 
     @classmethod
     def load(cls, work: Path) -> ServerState:
-        import json
-
         path = work / "state.json"
         return cls(**json.loads(path.read_text())) if path.exists() else cls()
 

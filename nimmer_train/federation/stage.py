@@ -10,6 +10,7 @@ checkpoint, the MLflow run id). The aggregated adapter is published to
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -179,8 +180,6 @@ def federate_stage(
 
 
 def _records(out: Path) -> list[dict[str, Any]]:
-    import json
-
     return json.loads((out / results.ROUNDS).read_text())
 
 
