@@ -38,4 +38,4 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_federated
 
 clean:
-	rm -rf artifacts mlartifacts mlflow.db outputs multirun benchmarks/results
+	rm -rf artifacts mlartifacts mlflow.db outputs multirun benchmarks/results releases federation

@@ -1,7 +1,10 @@
-"""The ``nimmer`` command: inspect and generate player stores on this device.
+"""The ``nimmer`` command: player stores on this device, published versions, signing keys.
 
 nimmer memory inspect PLAYER_DIR
 nimmer memory generate PLAYER_DIR [--seed N] [--entries N]
+nimmer versions [--releases DIR] [--trusted-keys DIR] list | show V | verify V | promote V
+nimmer keys generate PRIVATE_KEY [--trust DIR]
+nimmer keys trust PUBLIC_KEY DIR
 """
 
 from __future__ import annotations
@@ -9,8 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
+
+from nimmer_train.errors import NimmerError
 
 
 def inspect_player(folder: Path) -> dict:
@@ -51,6 +59,127 @@ def inspect_player(folder: Path) -> dict:
     return report
 
 
+def print_versions(releases: Path) -> None:
+    """The registry's versions as a table (``nimmer versions list``)."""
+    from nimmer_train.publish.registry import Registry
+
+    registry = Registry.open(releases)
+    try:
+        aliases: dict[str, list[str]] = {}
+        for alias, label in registry.aliases().items():
+            aliases.setdefault(label, []).append(alias)
+        header = ("version", "released_at", "epsilon", "contributors", "loras", "parent", "mlflow", "aliases")
+        rows = [header]
+        parents = {v.id: v.label for v in registry.versions()}
+        for v in registry.versions():
+            r = v.row
+            eps = r["differential_privacy_epsilon"]
+            rows.append(
+                (
+                    v.label,
+                    r["released_at"],
+                    "-" if eps is None else f"{eps:.3f}",
+                    str(r["contributors_count"]),
+                    str(len(registry.loras_for(v))),
+                    parents.get(r["parent_version_id"], "-"),
+                    r["mlflow_model_version"] or "-",
+                    ",".join(sorted(aliases.get(v.label, []))) or "-",
+                )
+            )
+    finally:
+        registry.close()
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def show_version(releases: Path, name: str) -> dict[str, Any]:
+    """Everything the registry holds about one version (``nimmer versions show``)."""
+    from nimmer_train.publish.registry import Registry
+
+    registry = Registry.open(releases)
+    try:
+        v = registry.find(name)
+        out = dict(v.row)
+        out["aliases"] = sorted(a for a, label in registry.aliases().items() if label == v.label)
+        out["folder"] = str(v.folder)
+        out["loras"] = [
+            {k: lora[k] for k in ("lora_id", "register", "relation", "mlflow_model_version")}
+            for lora in registry.loras_for(v)
+        ]
+        out["federated_gradient_uploads"] = registry.uploads_into(v)
+        files = out.pop("blob_distribution")["files"]
+        out["blob_distribution"] = [f"{f['path']}  {f['size']} B  sha256 {f['sha256']}" for f in files]
+        out["blob_base_url"] = files[0]["location"].rsplit("/", 2)[0] if files else None
+        recipe = out["training_recipe_ref"]
+        recipe.pop("publish_config", None)  # the full resolved config: in manifest.json and MLflow
+        out["training_corpus_refs"]["literary"].pop("sources", None)
+    finally:
+        registry.close()
+    return out
+
+
+def _versions(args: argparse.Namespace) -> int:
+    from nimmer_train.publish.registry import Registry
+    from nimmer_train.publish.signing import Keyring
+    from nimmer_train.publish.versions import verify_version
+
+    releases: Path = args.releases
+    if args.command == "list":
+        print_versions(releases)
+    elif args.command == "show":
+        print(json.dumps(show_version(releases, args.version), indent=2))
+    elif args.command == "verify":
+        keyring = Keyring.load(args.trusted_keys or releases.parent / "keys" / "trusted")
+        registry = Registry.open(releases)
+        try:
+            started = time.perf_counter()
+            verified = verify_version(registry, registry.find(args.version), keyring)
+            seconds = time.perf_counter() - started
+        finally:
+            registry.close()
+        files = verified.manifest["blob_distribution"]["files"]
+        size = sum(f["size"] for f in files)
+        sig = json.loads((verified.folder / "manifest.sig").read_text())
+        print(
+            f"{verified.label}: signature OK (key {sig['key_id']}); {len(files)} files, {size / 1e6:.1f} MB "
+            f"match their sha256 ({seconds:.2f} s); LoRAs OK: {', '.join(verified.loras) or 'none'}"
+        )
+    else:  # promote
+        registry = Registry.open(releases)
+        try:
+            with registry.writing():
+                version = registry.find(args.version)
+                registry.set_alias(args.alias, version, datetime.now(UTC).isoformat(timespec="seconds"))
+            print(f"{version.label} is now {args.alias!r} in {releases / 'registry.sqlite'}")
+            uri = registry.setting("mlflow_tracking_uri")
+            if uri:
+                from nimmer_train.publish import mlflow_registry
+
+                numbers = mlflow_registry.sync(registry, uri)
+                print(
+                    f"MLflow: {mlflow_registry.BASE_MODEL}@{args.alias} -> version {numbers[version.label]}"
+                )
+        finally:
+            registry.close()
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from nimmer_train.publish.signing import generate_key, trust
+
+    if args.command == "generate":
+        kid = generate_key(args.private_key, args.trust)
+        where = f"; trusted in {args.trust}" if args.trust else ""
+        print(
+            f"key {kid}: private {args.private_key} (keep it secret), "
+            f"public {args.private_key.with_suffix('.pub')}{where}"
+        )
+    else:
+        print(f"trusted key {trust(args.public_key, args.trusted_dir)} in {args.trusted_dir}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nimmer", description="nimmer-train device tools")
     groups = parser.add_subparsers(dest="group", required=True)
@@ -65,7 +194,40 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("player_dir", type=Path)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--entries", type=int, default=200)
+
+    versions = groups.add_parser("versions", help="published nimmerworld base versions")
+    versions.add_argument("--releases", type=Path, default=Path("releases"), help="default: ./releases")
+    versions.add_argument("--trusted-keys", type=Path, default=None, help="default: RELEASES/../keys/trusted")
+    vcmd = versions.add_subparsers(dest="command", required=True)
+    vcmd.add_parser("list", help="every version with epsilon, contributors, LoRAs and aliases")
+    for name, text in (
+        ("show", "everything the registry holds about a version"),
+        ("verify", "check the signature and every file's sha256"),
+        ("promote", "point the production alias (registry and MLflow) at a version"),
+    ):
+        cmd = vcmd.add_parser(name, help=text)
+        cmd.add_argument("version", help="vN, nimmerworld-base-vN, candidate or production")
+        if name == "promote":
+            cmd.add_argument("--alias", default="production")
+
+    keys = groups.add_parser("keys", help="Ed25519 publisher keys").add_subparsers(
+        dest="command", required=True
+    )
+    gen = keys.add_parser("generate", help="a new private key (0600) and its .pub beside it")
+    gen.add_argument("private_key", type=Path)
+    gen.add_argument("--trust", type=Path, default=None, help="also trust it: copy the .pub into this folder")
+    tr = keys.add_parser("trust", help="add a public key to a trusted-keys folder")
+    tr.add_argument("public_key", type=Path)
+    tr.add_argument("trusted_dir", type=Path)
     args = parser.parse_args(argv)
+    try:
+        if args.group == "versions":
+            return _versions(args)
+        if args.group == "keys":
+            return _keys(args)
+    except NimmerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.command == "inspect":
         if not args.player_dir.is_dir():
             print(f"error: no player folder at {args.player_dir}", file=sys.stderr)

@@ -245,6 +245,22 @@ class LoraSettings:
 
 
 @dataclass
+class PublishConfig:
+    """Publishing versioned bases (``pipelines.publish``; run_all's last stage)."""
+
+    enabled: bool = True
+    releases_dir: str = "${paths.workdir}/releases"  # version folders, LoRAs and registry.sqlite
+    signing_key: str = "${paths.workdir}/keys/publisher.key"  # Ed25519 private key (PEM); never commit it
+    create_signing_key: bool = True  # no key yet: make one and trust it (set false on a release machine)
+    trusted_keys: str = "${paths.workdir}/keys/trusted"  # *.pub a loader accepts; ships with the runtime
+    base_dir: str | None = None  # a built base folder; null: the one this config builds
+    merge_federated: bool = True  # also publish the base with this config's federated adapter merged in
+    merge_adapter: str | None = None  # merge this adapter folder instead (a federated or A.2 adapter)
+    blob_base_url: str | None = None  # download location players see; null: file:// of releases_dir
+    license: str = "apache-2.0"
+
+
+@dataclass
 class Config:
     """The whole job configuration; every pipeline composes this."""
 
@@ -260,6 +276,7 @@ class Config:
     curation: CurationConfig = field(default_factory=CurationConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
 
     def __post_init__(self) -> None:
         """Checks across groups: registers named anywhere exist, affinities name corpus works."""

@@ -24,6 +24,7 @@ from nimmer_train.synthesize import SynthResult, synthesize
 if TYPE_CHECKING:  # the later stages' imports (peft, trl, flwr) load only when run_all needs them
     from nimmer_train.federation.stage import FederationResult
     from nimmer_train.lora_stage import LoraResult
+    from nimmer_train.publish.registry import Version
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +147,11 @@ def synthesize_stage(cfg: Config, pipeline: str = "synthesize") -> SynthResult:
 
 def run_all(
     cfg: Config,
-) -> tuple[IngestResult, SynthResult, BaseResult, LoraResult, FederationResult | None]:
+) -> tuple[IngestResult, SynthResult, BaseResult, LoraResult, FederationResult | None, list[Version]]:
     """Every stage in order, each a nested run under one parent run in experiment run_all."""
     from nimmer_train.federation.stage import federate_stage
     from nimmer_train.lora_stage import train_loras_stage
+    from nimmer_train.publish.stage import publish_stage
 
     with tracking.stage_run(cfg, "run_all", "run_all"):
         corpus = ingest_stage(cfg, pipeline="run_all")
@@ -157,4 +159,9 @@ def run_all(
         base = build_base_stage(cfg, corpus, pipeline="run_all")
         loras = train_loras_stage(cfg, corpus, synth, base.path, pipeline="run_all")
         federation = federate_stage(cfg, loras, pipeline="run_all") if cfg.federated.enabled else None
-    return corpus, synth, base, loras, federation
+        versions = (
+            publish_stage(cfg, base.path, loras, federation, pipeline="run_all")
+            if cfg.publish.enabled
+            else []
+        )
+    return corpus, synth, base, loras, federation, versions

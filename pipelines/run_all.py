@@ -1,5 +1,7 @@
 """Run every stage in order under one MLflow parent run: ``python -m pipelines.run_all``."""
 
+from pathlib import Path
+
 from nimmer_train.config import Config
 from nimmer_train.tracking import ui_command
 from pipelines.entry import pipeline
@@ -9,7 +11,7 @@ from pipelines.entry import pipeline
 def main(cfg: Config) -> None:
     from nimmer_train.stages import run_all  # after the config check: a mistake fails before heavy imports
 
-    corpus, synth, base, loras, federation = run_all(cfg)
+    corpus, synth, base, loras, federation, versions = run_all(cfg)
     print("\nProduced:")
     print(f"  corpus dataset + data card  {corpus.path}")
     print(f"  synthetic r0/r1 + data card {synth.path}")
@@ -17,9 +19,16 @@ def main(cfg: Config) -> None:
     print(f"  register LoRAs (PEFT)       {loras.root}")
     if federation:
         print(f"  federated adapter (PEFT)    {federation.adapter}")
+    for version in versions:
+        print(f"  {version.label:<27} {version.folder}")
     if loras.evaluation:
         ev = loras.evaluation
         print(f"  register separability {ev.separability:.2f}, mean held-out loss gain {ev.mean_gain:.3f}")
+    if versions:
+        from nimmer_train.cli import print_versions
+
+        print(f"\n$ nimmer versions --releases {cfg.publish.releases_dir} list")
+        print_versions(Path(cfg.publish.releases_dir))
     if cfg.tracking.enabled:
         print(f"\nReview the runs:\n  {ui_command(cfg.tracking)}")
 

@@ -86,12 +86,24 @@ def _find_adapter(cfg: Config) -> Path:
     return found[-1]
 
 
-def federate_stage(
-    cfg: Config, loras: LoraResult | None = None, pipeline: str = "federate"
-) -> FederationResult:
-    s = cfg.federated
+@dataclass(frozen=True)
+class FederationPlan:
+    base_dir: Path
+    adapter_dir: Path  # the adapter the federation starts from
+    register: str
+    fingerprint: str
+    out: Path  # the published federated adapter
+    folder: Path  # devices/ and server/ of this federation
+
+    @property
+    def state_file(self) -> Path:
+        return self.folder / "server" / "rounds" / "state.json"
+
+
+def plan_federation(cfg: Config, loras: LoraResult | None = None) -> FederationPlan:
+    """Where this config's federation starts from and where its results go."""
     base_dir, adapter_dir, register = locate(cfg, loras)
-    settings = dataclasses.asdict(s)
+    settings = dataclasses.asdict(cfg.federated)
     for key in ("enabled", "register", "adapter_dir"):
         settings.pop(key)
     fp = fingerprint(
@@ -104,6 +116,22 @@ def federate_stage(
     )
     out = cfg.paths.artifacts_dir() / "federated" / base_dir.name / f"{register}-{fp[:12]}"
     folder = Path(cfg.paths.workdir).resolve() / "federation" / fp[:12]
+    return FederationPlan(base_dir, adapter_dir, register, fp, out, folder)
+
+
+def federate_stage(
+    cfg: Config, loras: LoraResult | None = None, pipeline: str = "federate"
+) -> FederationResult:
+    s = cfg.federated
+    p = plan_federation(cfg, loras)
+    base_dir, adapter_dir, register, fp, out, folder = (
+        p.base_dir,
+        p.adapter_dir,
+        p.register,
+        p.fingerprint,
+        p.out,
+        p.folder,
+    )
     if intact_manifest(out):
         print(f"federated adapter: {out} (up to date)")
         meta = read_metadata(out)
@@ -115,7 +143,7 @@ def federate_stage(
     deliver_uploads(population, pool, s.a2_k)
     nodes = [Node(base_dir, adapter_dir, device=d) for d in population.devices]
     nodes.append(Node(base_dir, adapter_dir, a2_pool=pool))  # the server-operated A.2 client
-    work = folder / "server" / "rounds"
+    work = p.state_file.parent
     run_file = folder / "server" / "mlflow_run_id"
     resume = run_file.read_text().strip() if run_file.exists() else None
     with tracking.stage_run(cfg, pipeline, "federate", resume_run_id=resume) as run_id:

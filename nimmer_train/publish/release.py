@@ -1,0 +1,397 @@
+"""Publish a built base (optionally with an adapter merged into its weights) as
+``nimmerworld-base-vN``: weights, tokenizer, config, model card, signed manifest, registry rows.
+
+Atomic: under the registry's write lock the version is staged in a hidden folder, fsynced,
+renamed to its label, and its rows commit last; a publisher killed anywhere leaves no visible
+version and no row (the next publish clears what it left). Publishing the same inputs again
+returns the existing version.
+
+Crash drill: ``NIMMER_PUBLISH_DRILL=staged|renamed`` SIGKILLs the process after staging or after
+the rename (just before the commit), for tests that prove the above.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from nimmer_train.adapters import WEIGHTS, base_identity, read_metadata
+from nimmer_train.artifacts import (
+    MANIFEST,
+    atomic_dir,
+    fingerprint,
+    intact_manifest,
+    read_manifest,
+    sha256_file,
+)
+from nimmer_train.errors import NimmerError
+from nimmer_train.publish import card
+from nimmer_train.publish.manifest import FORMAT, SIGNATURE, manifest_bytes, release_files
+from nimmer_train.publish.registry import Registry, Version, label_of
+from nimmer_train.publish.signing import load_private, sign, signature_bytes
+
+log = logging.getLogger(__name__)
+DRILL = "NIMMER_PUBLISH_DRILL"
+# base-folder files that are not part of the model itself
+NOT_COPIED = {MANIFEST, "README.md"}
+
+
+@dataclass(frozen=True)
+class PublishRequest:
+    """What goes into one version."""
+
+    base_dir: Path  # a built base folder (artifacts/base/<name>)
+    loras: list[Path] = field(default_factory=list)  # register adapters that fit it
+    merge_adapter: Path | None = None  # a federated / A.2 adapter to merge into the weights
+    federation_state: Path | None = None  # that federation's server state.json (pseudonymous ids)
+    recipe: dict[str, Any] = field(default_factory=dict)  # resolved config of the publishing job
+    license: str = "apache-2.0"
+    blob_base_url: str | None = None  # where players download from; None: file:// of the releases
+
+
+def _drill(point: str) -> None:
+    if os.environ.get(DRILL) == point:
+        log.warning("publish drill: SIGKILL at %s", point)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def content_fingerprint(req: PublishRequest) -> str:
+    return fingerprint(
+        {
+            "format": FORMAT,
+            "base": read_manifest(req.base_dir)["fingerprint"],
+            "merge": read_manifest(req.merge_adapter)["fingerprint"] if req.merge_adapter else None,
+            "loras": sorted(read_manifest(p)["fingerprint"] for p in req.loras),
+        }
+    )
+
+
+def _corpus_refs(req: PublishRequest, base_manifest: dict[str, Any], merged: dict[str, Any] | None) -> dict:
+    from nimmer_train.memory.consent import NEVER_SHARED
+
+    lineage = base_manifest["lineage"]
+    literary: dict[str, Any] = {"fingerprint": lineage["dataset_fingerprint"], "license": "public-domain"}
+    corpus_dir = Path(lineage["dataset_dir"]).parent
+    if (corpus_dir / MANIFEST).exists():
+        corpus = read_manifest(corpus_dir)
+        stats = corpus["lineage"].get("stats", {})
+        literary.update(
+            name=corpus["lineage"].get("corpus", corpus_dir.name.rsplit("-", 1)[0]),
+            works=len(corpus["lineage"].get("sources", {})),
+            tokens=sum(w.get("train_tokens", 0) for w in stats.get("per_work", {}).values()),
+            sources=corpus["lineage"].get("sources", {}),
+        )
+    else:
+        literary["name"] = corpus_dir.name.rsplit("-", 1)[0]
+    fed = (merged or {}).get("federation", {})
+    contributed: dict[str, Any] = {}
+    if req.merge_adapter and (req.merge_adapter / "contributed_data.json").exists():
+        contributed = json.loads((req.merge_adapter / "contributed_data.json").read_text())
+    tiers = contributed.get("tiers", {})
+    return {
+        "literary": literary,
+        "synthetic": {"fingerprint": merged["datasets"]["synth"]} if merged else None,
+        "player_contributed": {
+            "opt_out": {"used": False},
+            "A1_federated": {
+                "contributors": fed.get("contributors_a1", 0),
+                "guarantee": "user-level",
+                "examples_per_round": tiers.get("A1_federated", {}).get("examples_per_round", []),
+                "epsilon": fed.get("epsilon_a1_user_level"),
+            },
+            "A2_anonymized": {
+                "uploads": fed.get("uploads_a2", 0),
+                "guarantee": "record-level",
+                "examples_per_round": tiers.get("A2_anonymized", {}).get("examples_per_round", []),
+                "data_categories": tiers.get("A2_anonymized", {}).get("data_categories", {}),
+                "epsilon": fed.get("epsilon_a2_record_level"),
+            },
+            "A3_pseudonymous_full": {"contributors": 0, "note": "not in scope for training yet"},
+            "never_shared": sorted(NEVER_SHARED),
+            "federation": fed.get("fingerprint"),
+        },
+    }
+
+
+def _origin(base_manifest: dict[str, Any]) -> str:
+    model = base_manifest["lineage"]["model"]
+    if model.get("name_or_path"):
+        return str(model["name_or_path"])
+    params = base_manifest["lineage"]["metrics"].get("parameters")
+    return (
+        f"scratch:{model.get('family', 'llama')}-{model['name']} ({params} parameters, no pretrained weights)"
+    )
+
+
+def _stage_model(req: PublishRequest, staging: Path) -> None:
+    """Weights, config and tokenizer into ``staging``; the adapter merged in when asked."""
+    if req.merge_adapter is None:
+        for item in req.base_dir.iterdir():
+            if item.name not in NOT_COPIED and item.is_file():
+                shutil.copy2(item, staging / item.name)
+        return
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(req.base_dir, dtype="float32")
+    merged = PeftModel.from_pretrained(model, req.merge_adapter).merge_and_unload()
+    merged.save_pretrained(staging)
+    for item in req.base_dir.iterdir():  # tokenizer and templates, unchanged by the merge
+        if item.is_file() and item.name not in NOT_COPIED and not (staging / item.name).exists():
+            shutil.copy2(item, staging / item.name)
+
+
+def _copy_lora(registry: Registry, adapter: Path) -> dict[str, Any]:
+    """The adapter's row, copying it into releases/loras/ the first time (atomically)."""
+    manifest = intact_manifest(adapter)
+    if manifest is None:
+        raise NimmerError(f"adapter {adapter} is incomplete or changed (its manifest does not match)")
+    meta = read_metadata(adapter)
+    lora_id = f"{meta['register']}-{manifest['fingerprint'][:12]}"
+    row = registry.lora(lora_id)
+    if row is not None:
+        return row
+    rel = f"loras/{lora_id}"
+    with atomic_dir(registry.releases / rel) as staging:
+        shutil.copytree(adapter, staging, dirs_exist_ok=True)
+    files = [{k: f[k] for k in ("path", "sha256", "size")} for f in manifest["files"]]
+    files.append(
+        {
+            "path": MANIFEST,
+            "sha256": sha256_file(adapter / MANIFEST),
+            "size": (adapter / MANIFEST).stat().st_size,
+        }
+    )
+    return {
+        "lora_id": lora_id,
+        "register": meta["register"],
+        "fingerprint": manifest["fingerprint"],
+        "path": rel,
+        "files": files,
+        "trained_on_weights_sha256": meta["base"]["weights_sha256"],
+        "mlflow_model_version": None,
+        "new": True,
+    }
+
+
+def _contributors(state_file: Path | None) -> tuple[list[str], str | None]:
+    """The federation's pseudonymous A.1 contributor ids and when its last round ended."""
+    if state_file is None or not state_file.exists():
+        return [], None
+    ids = [c for c in json.loads(state_file.read_text()).get("contributors", []) if c != "a2-pool"]
+    return ids, datetime.fromtimestamp(state_file.stat().st_mtime, UTC).isoformat(timespec="seconds")
+
+
+def publish_version(releases: Path, signing_key: Path, req: PublishRequest) -> tuple[Version, bool]:
+    """Publish ``req`` as the next version; returns (version, True) or the existing one and False."""
+    key = load_private(signing_key)
+    if not (req.base_dir / MANIFEST).exists():
+        raise NimmerError(
+            f"no built base at {req.base_dir} (no {MANIFEST}); run `python -m pipelines.build_base`"
+        )
+    base_manifest = read_manifest(req.base_dir)
+    base_weights = base_identity(req.base_dir)["weights_sha256"]
+    merged_meta = read_metadata(req.merge_adapter) if req.merge_adapter else None
+    if merged_meta and merged_meta["base"]["weights_sha256"] != base_weights:
+        raise NimmerError(
+            f"adapter {req.merge_adapter} was trained on base {merged_meta['base']['label']}, not on "
+            f"{req.base_dir.name}; merge it into the base it was trained on"
+        )
+    fp = content_fingerprint(req)
+    registry = Registry.open(releases, create=True)
+    try:
+        existing = registry.by_fingerprint(fp)
+        if existing is not None:
+            return existing, False
+        with registry.writing():
+            for rel in registry.remove_leftovers():
+                log.warning("removed %s, left by an interrupted publish", rel)
+            existing = registry.by_fingerprint(fp)  # another publisher may have won the lock first
+            if existing is not None:
+                return existing, False
+            version, rows = _publish_locked(registry, key, req, fp, base_manifest, base_weights, merged_meta)
+            _drill("renamed")
+            _insert(registry, version, rows)
+        return registry.find(version), True
+    finally:
+        registry.close()
+
+
+def _publish_locked(
+    registry: Registry,
+    key: Any,
+    req: PublishRequest,
+    fp: str,
+    base_manifest: dict[str, Any],
+    base_weights: str,
+    merged_meta: dict[str, Any] | None,
+) -> tuple[str, dict[str, Any]]:
+    number = registry.next_number()
+    label = label_of(number)
+    released_at = _now()
+    parent = registry.by_weights(base_weights) if req.merge_adapter else None
+    loras = [_copy_lora(registry, p) for p in req.loras]
+    final = registry.releases / label
+    url = (req.blob_base_url or final.parent.resolve().as_uri()).rstrip("/")
+    fed = (merged_meta or {}).get("federation", {})
+    with atomic_dir(final) as staging:
+        _stage_model(req, staging)
+        weights = sha256_file(staging / WEIGHTS)
+        compat = []
+        for lora in loras:
+            if merged_meta and lora["register"] == merged_meta["register"]:
+                continue  # its register's voice is in the weights now; this LoRA would apply twice
+            if lora["trained_on_weights_sha256"] == weights:
+                relation = "trained_on"
+            elif req.merge_adapter and lora["trained_on_weights_sha256"] == base_weights:
+                relation = "inherited"
+            else:
+                raise NimmerError(
+                    f"LoRA {lora['lora_id']} was trained on other base weights "
+                    f"(sha256 {lora['trained_on_weights_sha256'][:12]}); it does not fit {label}"
+                )
+            compat.append(
+                {**{k: lora[k] for k in ("lora_id", "register", "fingerprint")}, "relation": relation}
+            )
+        epsilon_a2 = fed.get("epsilon_a2_record_level") if fed.get("uploads_a2") else None
+        manifest: dict[str, Any] = {
+            "format": FORMAT,
+            "version_id": str(uuid.uuid4()),
+            "version_label": label,
+            "base_model_origin": _origin(base_manifest),
+            "training_corpus_refs": _corpus_refs(req, base_manifest, merged_meta),
+            "training_recipe_ref": {
+                "git_commit": req.recipe.get("git_commit", base_manifest["lineage"].get("git_commit")),
+                "base_git_commit": base_manifest["lineage"].get("git_commit"),
+                "base_config_hash": base_manifest["lineage"]["config_hash"],
+                "base_config": {k: base_manifest["lineage"][k] for k in ("model", "train")},
+                "dataset_fingerprints": {
+                    "literary": base_manifest["lineage"]["dataset_fingerprint"],
+                    **({"synthetic": merged_meta["datasets"]["synth"]} if merged_meta else {}),
+                },
+                "publish_config": req.recipe.get("config"),
+            },
+            "released_at": released_at,
+            "differential_privacy_epsilon": epsilon_a2,
+            "contributors_count": fed.get("contributors_a1", 0) + fed.get("uploads_a2", 0),
+            "privacy": {
+                "delta": fed.get("delta", 0.0),
+                "epsilon_a1_user_level": fed.get("epsilon_a1_user_level")
+                if fed.get("contributors_a1")
+                else None,
+                "epsilon_a2_record_level": epsilon_a2,
+                "contributors_a1": fed.get("contributors_a1", 0),
+                "uploads_a2": fed.get("uploads_a2", 0),
+            },
+            "parent_version": parent.label if parent else None,
+            "merged_adapter": {
+                "register": merged_meta["register"],
+                "fingerprint": read_manifest(req.merge_adapter)["fingerprint"],
+                "federation": fed.get("fingerprint", ""),
+                "rounds": fed.get("rounds", 0),
+                "heldout_loss_before": fed.get("heldout_loss_before"),
+                "heldout_loss_after": fed.get("heldout_loss_after"),
+            }
+            if merged_meta and req.merge_adapter
+            else None,
+            "compatible_loras": compat,
+            "content_fingerprint": fp,
+            "weights_sha256": weights,
+        }
+        manifest["privacy"]["never_shared"] = manifest["training_corpus_refs"]["player_contributed"][
+            "never_shared"
+        ]
+        (staging / "README.md").write_text(card.render(manifest, req.license))
+        files = release_files(staging)
+        manifest["blob_distribution"] = {
+            "base_url": url,
+            "files": [{**f, "location": f"{url}/{label}/{f['path']}"} for f in files],
+        }
+        raw = manifest_bytes(manifest)
+        (staging / MANIFEST).write_bytes(raw)
+        signature = sign(raw, key)
+        (staging / SIGNATURE).write_bytes(signature_bytes(signature))
+        _drill("staged")
+    rows = {
+        "manifest": manifest,
+        "manifest_sha256": hashlib.sha256(raw).hexdigest(),
+        "key_id": signature["key_id"],
+        "parent": parent.id if parent else None,
+        "loras": loras,
+        "compat": compat,
+        "contributors": _contributors(req.federation_state) if req.merge_adapter else ([], None),
+    }
+    return label, rows
+
+
+def _insert(registry: Registry, label: str, rows: dict[str, Any]) -> None:
+    m = rows["manifest"]
+    db = registry.db
+    db.execute(
+        "INSERT INTO base_model_versions (version_id, version_number, version_label, base_model_origin, "
+        "training_corpus_refs, training_recipe_ref, released_at, differential_privacy_epsilon, "
+        "contributors_count, blob_distribution, content_fingerprint, parent_version_id, manifest_sha256, "
+        "signing_key_id, weights_sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            m["version_id"],
+            int(label.rsplit("v", 1)[1]),
+            label,
+            m["base_model_origin"],
+            json.dumps(m["training_corpus_refs"], sort_keys=True),
+            json.dumps(m["training_recipe_ref"], sort_keys=True),
+            m["released_at"],
+            m["differential_privacy_epsilon"],
+            m["contributors_count"],
+            json.dumps(m["blob_distribution"], sort_keys=True),
+            m["content_fingerprint"],
+            rows["parent"],
+            rows["manifest_sha256"],
+            rows["key_id"],
+            m["weights_sha256"],
+        ),
+    )
+    for lora in rows["loras"]:
+        if lora.get("new"):
+            db.execute(
+                "INSERT INTO register_loras (lora_id, register, fingerprint, path, files, "
+                "trained_on_weights_sha256) VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    lora["lora_id"],
+                    lora["register"],
+                    lora["fingerprint"],
+                    lora["path"],
+                    json.dumps(lora["files"]),
+                    lora["trained_on_weights_sha256"],
+                ),
+            )
+    for c in rows["compat"]:
+        db.execute(
+            "INSERT INTO lora_compat (lora_id, version_id, relation) VALUES (?, ?, ?)",
+            (c["lora_id"], m["version_id"], c["relation"]),
+        )
+    fed = (m.get("merged_adapter") or {}).get("federation", "")
+    contributors, uploaded_at = rows["contributors"]
+    for contributor in contributors:
+        db.execute(
+            "INSERT INTO federated_gradient_uploads (upload_id, contributor_id, gradient_blob, uploaded_at, "
+            "federation, aggregated_into_version) VALUES (?, ?, NULL, ?, ?, ?)",
+            (str(uuid.uuid4()), contributor, uploaded_at or m["released_at"], fed, m["version_id"]),
+        )
+    db.execute(
+        "INSERT INTO aliases (alias, version_id, set_at) VALUES ('candidate', ?, ?) "
+        "ON CONFLICT(alias) DO UPDATE SET version_id = excluded.version_id, set_at = excluded.set_at",
+        (m["version_id"], m["released_at"]),
+    )

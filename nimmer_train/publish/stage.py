@@ -1,0 +1,130 @@
+"""The publish stage: the built base as the next version and, after a federation, the base with
+the federated adapter merged in as the one after it; recorded in MLflow (run + Model Registry)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import mlflow
+
+from nimmer_train import tracking
+from nimmer_train.artifacts import git_commit, intact_manifest
+from nimmer_train.config import Config
+from nimmer_train.errors import NimmerError
+from nimmer_train.publish import mlflow_registry
+from nimmer_train.publish.registry import Registry, Version
+from nimmer_train.publish.release import PublishRequest, publish_version
+from nimmer_train.publish.signing import generate_key
+
+if TYPE_CHECKING:
+    from nimmer_train.federation.stage import FederationResult
+    from nimmer_train.lora_stage import LoraResult
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _base_dir(cfg: Config, base_dir: Path | None) -> Path:
+    if cfg.publish.base_dir:
+        return Path(cfg.publish.base_dir)
+    if base_dir is not None:
+        return base_dir
+    from nimmer_train.build_base import plan
+    from nimmer_train.ingest import ingest
+
+    found = plan(cfg, ingest(cfg.corpus, cfg.paths.artifacts_dir())).out
+    if intact_manifest(found) is None:
+        raise NimmerError(
+            f"no built base at {found}: run `python -m pipelines.build_base` with the same overrides "
+            "first, or set publish.base_dir"
+        )
+    return found
+
+
+def _loras(cfg: Config, base_dir: Path, loras: LoraResult | None) -> list[Path]:
+    """The register adapters trained on this base: run_all's, else the newest intact one per register."""
+    if loras is not None:
+        return list(loras.adapters.values())
+    newest: dict[str, Path] = {}
+    root = cfg.paths.artifacts_dir() / "loras" / base_dir.name
+    for folder in sorted(root.glob("*"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []:
+        if intact_manifest(folder):
+            newest[json.loads((folder / "nimmer_adapter.json").read_text())["register"]] = folder
+    return [newest[r] for r in sorted(newest)]
+
+
+def _merge(cfg: Config, loras: LoraResult | None, federation: FederationResult | None) -> tuple:
+    """(adapter to merge, its federation's state file) or (None, None)."""
+    p = cfg.publish
+    if p.merge_adapter:
+        adapter = Path(p.merge_adapter)
+        meta = json.loads((adapter / "nimmer_adapter.json").read_text())
+        fp = meta.get("federation", {}).get("fingerprint", "")
+        state = (
+            Path(cfg.paths.workdir).resolve() / "federation" / fp[:12] / "server" / "rounds" / "state.json"
+        )
+        return adapter, state if fp else None
+    if not (p.merge_federated and cfg.federated.enabled):
+        return None, None
+    from nimmer_train.federation.stage import plan_federation
+
+    plan = plan_federation(cfg, loras)
+    if federation is None and intact_manifest(plan.out) is None:
+        print(f"publish: no federated adapter at {plan.out} (run pipelines.federate); base only")
+        return None, None
+    return plan.out, plan.state_file
+
+
+def publish_stage(
+    cfg: Config,
+    base_dir: Path | None = None,
+    loras: LoraResult | None = None,
+    federation: FederationResult | None = None,
+    pipeline: str = "publish",
+) -> list[Version]:
+    p = cfg.publish
+    releases = Path(p.releases_dir).resolve()
+    key = Path(p.signing_key)
+    if not key.exists() and p.create_signing_key:
+        kid = generate_key(key, Path(p.trusted_keys))
+        print(f"publish: created signing key {kid} at {key} (trusted in {p.trusted_keys})")
+    base = _base_dir(cfg, base_dir)
+    adapters = _loras(cfg, base, loras)
+    merge, state = _merge(cfg, loras, federation)
+    recipe = {"git_commit": git_commit(REPO), "config": json.loads(json.dumps(dataclasses.asdict(cfg)))}
+    common = {"loras": adapters, "recipe": recipe, "license": p.license, "blob_base_url": p.blob_base_url}
+    requests = [PublishRequest(base, **common)]
+    if merge is not None:
+        requests.append(PublishRequest(base, merge_adapter=merge, federation_state=state, **common))
+    published = []
+    with tracking.stage_run(cfg, pipeline, "publish") as run_id:
+        for req in requests:
+            version, new = publish_version(releases, key, req)
+            published.append(version)
+            print(
+                f"publish: {version.label} {'published' if new else 'already published'} at {version.folder}"
+            )
+        if run_id:
+            uri = cfg.tracking.tracking_uri()
+            registry = Registry.open(releases)
+            try:
+                registry.set_setting("mlflow_tracking_uri", uri)
+                numbers = mlflow_registry.sync(registry, uri, run_id)
+            finally:
+                registry.close()
+            for version in published:
+                mlflow.log_artifact(str(version.folder / "manifest.json"), version.label)
+                mlflow.log_artifact(str(version.folder / "README.md"), version.label)
+            last = published[-1].row
+            mlflow.log_metrics(
+                {
+                    "contributors_count": last["contributors_count"],
+                    "differential_privacy_epsilon": last["differential_privacy_epsilon"] or 0.0,
+                }
+            )
+            mlflow.set_tags({v.label: f"{mlflow_registry.BASE_MODEL}/{numbers[v.label]}" for v in published})
+    return published
