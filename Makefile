@@ -36,6 +36,7 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_memory
 	$(BIN)/python -m benchmarks.bench_dp
 	$(BIN)/python -m benchmarks.bench_federated
+	$(BIN)/python -m benchmarks.bench_publish
 
 clean:
 	rm -rf artifacts mlartifacts mlflow.db outputs multirun benchmarks/results releases federation

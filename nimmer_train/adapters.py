@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from typing import TYPE_CHECKING, Any
 
 from nimmer_train.artifacts import read_manifest
 from nimmer_train.errors import NimmerError
+
+if TYPE_CHECKING:  # torch, transformers and peft load only when a model does (the CLI stays quick)
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 METADATA = "nimmer_adapter.json"
 WEIGHTS = "model.safetensors"
@@ -54,12 +54,17 @@ def check_binding(adapter_dir: Path, base_dir: Path, allow_other_base: bool = Fa
 
 
 def load_base(base_dir: Path, device: str | None = None) -> PreTrainedModel:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return AutoModelForCausalLM.from_pretrained(base_dir).to(device)
 
 
 def load_adapter(base_dir: Path, adapter_dir: Path, allow_other_base: bool = False) -> PeftModel:
     """The base with one register adapter applied, in inference mode."""
+    from peft import PeftModel
+
     meta = check_binding(adapter_dir, base_dir, allow_other_base)
     model = PeftModel.from_pretrained(load_base(base_dir), adapter_dir, adapter_name=meta["register"])
     return model.eval()
@@ -70,6 +75,8 @@ def load_all(base_dir: Path, adapter_dirs: list[Path], allow_other_base: bool = 
     ``model.set_adapter(register)`` (and ``with model.disable_adapter():`` for the bare base)."""
     if not adapter_dirs:
         raise NimmerError("no adapters to load")
+    from peft import PeftModel
+
     metas = [check_binding(d, base_dir, allow_other_base) for d in adapter_dirs]
     model = PeftModel.from_pretrained(load_base(base_dir), adapter_dirs[0], adapter_name=metas[0]["register"])
     for folder, meta in zip(adapter_dirs[1:], metas[1:], strict=True):

@@ -48,8 +48,12 @@ def test_model_folder_is_standard_and_verified(tiny_run: Path) -> None:
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
-    assert verify_manifest(folder) == ["config.json"]
+    original = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(original + " ")
+    try:
+        assert verify_manifest(folder) == ["config.json"]
+    finally:  # other tests publish this base
+        (folder / "config.json").write_text(original)
 
 
 def test_mlflow_holds_nested_runs_with_params_metrics_artifacts(tiny_run: Path) -> None:

@@ -1,0 +1,86 @@
+"""Verification throughput of a published version: MB/s of ``verify_folder`` (signature check plus
+sha256 of every file, as a player's loader runs it) against ``sha256sum`` of the same files, in the
+same run, page cache warm for both. Ratio = ours / sha256sum (1.0: as fast as coreutils).
+
+Also verifies the demo's v1 when ``releases/`` holds it. Writes benchmarks/results/bench_publish.json.
+python -m benchmarks.bench_publish
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from nimmer_train.publish.manifest import FORMAT, SIGNATURE, manifest_bytes, release_files, verify_folder
+from nimmer_train.publish.signing import Keyring, generate_key, load_private, sign, signature_bytes
+
+REPEATS = 5
+SIZES_MB = {"model.safetensors": 256, "tokenizer.json": 2, "config.json": 0.001}
+
+
+def make_version(root: Path) -> tuple[Path, Keyring]:
+    folder = root / "nimmerworld-base-v1"
+    folder.mkdir()
+    for name, mb in SIZES_MB.items():
+        with open(folder / name, "wb") as fh:
+            for _ in range(max(1, int(mb))):
+                fh.write(os.urandom(int(min(mb, 1) * 2**20)))
+    key = root / "keys" / "publisher.key"
+    generate_key(key, root / "keys" / "trusted")
+    manifest = {"format": FORMAT, "blob_distribution": {"files": release_files(folder)}}
+    raw = manifest_bytes(manifest)
+    (folder / "manifest.json").write_bytes(raw)
+    (folder / SIGNATURE).write_bytes(signature_bytes(sign(raw, load_private(key))))
+    return folder, Keyring.load(root / "keys" / "trusted")
+
+
+def measure(folder: Path, keyring: Keyring) -> dict[str, float]:
+    files = [
+        folder / f["path"]
+        for f in json.loads((folder / "manifest.json").read_text())["blob_distribution"]["files"]
+    ]
+    mb = sum(p.stat().st_size for p in files) / 1e6
+    ours, coreutils = [], []
+    verify_folder(folder, keyring)  # warm the page cache
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        verify_folder(folder, keyring)
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        subprocess.run(["sha256sum", *map(str, files)], check=True, capture_output=True)
+        coreutils.append(time.perf_counter() - start)
+    ours_mbs, core_mbs = mb / statistics.median(ours), mb / statistics.median(coreutils)
+    return {
+        "mb": round(mb, 1),
+        "verify_mb_s": round(ours_mbs),
+        "sha256sum_mb_s": round(core_mbs),
+        "ratio": round(ours_mbs / core_mbs, 3),
+    }
+
+
+def main() -> None:
+    report: dict[str, object] = {"repeats": REPEATS}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, keyring = make_version(Path(tmp))
+        report["synthetic_258mb"] = measure(folder, keyring)
+    demo = Path("releases") / "nimmerworld-base-v1"
+    if demo.is_dir():
+        report["demo_v1"] = measure(demo, Keyring.load(Path("keys") / "trusted"))
+    for name, row in report.items():
+        if isinstance(row, dict):
+            print(
+                f"{name}: {row['mb']} MB, verify {row['verify_mb_s']} MB/s, "
+                f"sha256sum {row['sha256sum_mb_s']} MB/s, ratio {row['ratio']}"
+            )
+    out = Path(__file__).parent / "results" / "bench_publish.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
