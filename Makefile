@@ -23,7 +23,7 @@ demo: install
 	$(BIN)/python -m pipelines.run_all experiment=demo
 
 test: install lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 lint: install
 	$(BIN)/ruff check .
