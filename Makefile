@@ -23,7 +23,7 @@ demo: install
 	$(BIN)/python -m pipelines.run_all experiment=demo
 
 test: install lint
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest
 
 lint: install
 	$(BIN)/ruff check .
@@ -37,6 +37,7 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_dp
 	$(BIN)/python -m benchmarks.bench_federated
 	$(BIN)/python -m benchmarks.bench_publish
+	$(BIN)/python -m benchmarks.bench_runtime
 
 clean:
-	rm -rf artifacts mlartifacts mlflow.db outputs multirun benchmarks/results releases federation
+	rm -rf artifacts mlartifacts mlflow.db outputs multirun benchmarks/results releases federation players runtime

@@ -5,6 +5,7 @@ nimmer memory generate PLAYER_DIR [--seed N] [--entries N]
 nimmer versions [--releases DIR] [--trusted-keys DIR] list | show V | verify V | promote V
 nimmer keys generate PRIVATE_KEY [--trust DIR]
 nimmer keys trust PUBLIC_KEY DIR
+nimmer serve [--releases DIR] [--version production] [--host 127.0.0.1] [--port 8000]
 """
 
 from __future__ import annotations
@@ -165,6 +166,19 @@ def _versions(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from nimmer_train.runtime.local import LocalModel
+    from nimmer_train.runtime.server import create_app, model_ids
+
+    trusted = args.trusted_keys or args.releases.parent / "keys" / "trusted"
+    model = LocalModel.open(args.releases, args.version, trusted)
+    print(f"serving {', '.join(model_ids(model))} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(create_app(model), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def _keys(args: argparse.Namespace) -> int:
     from nimmer_train.publish.signing import generate_key, trust
 
@@ -219,8 +233,18 @@ def main(argv: list[str] | None = None) -> int:
     tr = keys.add_parser("trust", help="add a public key to a trusted-keys folder")
     tr.add_argument("public_key", type=Path)
     tr.add_argument("trusted_dir", type=Path)
+    serve = groups.add_parser("serve", help="an OpenAI-compatible server over a verified version (Ring B)")
+    serve.add_argument("--releases", type=Path, default=Path("releases"))
+    serve.add_argument("--trusted-keys", type=Path, default=None, help="default: RELEASES/../keys/trusted")
+    serve.add_argument(
+        "--version", default="production", help="vN, a label or an alias (default: production)"
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
     try:
+        if args.group == "serve":
+            return _serve(args)
         if args.group == "versions":
             return _versions(args)
         if args.group == "keys":

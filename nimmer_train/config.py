@@ -261,6 +261,22 @@ class PublishConfig:
 
 
 @dataclass
+class RuntimeSettings:
+    """The serving runtime as ``run_all`` ends with it: one turn per register, Ring A and Ring B."""
+
+    enabled: bool = True
+    version: str = "candidate"  # label (vN) or alias to load, verified
+    releases_dir: str = "${publish.releases_dir}"
+    trusted_keys: str = "${publish.trusted_keys}"  # the publisher keys the runtime accepts
+    player_dir: str = "${paths.workdir}/players/demo-player"  # memory the turns read and write
+    decay: float = 0.8  # gesture accumulator: weight of the past per turn
+    margin: float = 0.1  # hysteresis: a challenger must win by more than this...
+    patience: int = 3  # ... on this many consecutive turns
+    max_new_tokens: int = 96
+    seed: int = 0
+
+
+@dataclass
 class Config:
     """The whole job configuration; every pipeline composes this."""
 
@@ -277,6 +293,7 @@ class Config:
     lora: LoraSettings = field(default_factory=LoraSettings)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
 
     def __post_init__(self) -> None:
         """Checks across groups: registers named anywhere exist, affinities name corpus works."""

@@ -27,3 +27,43 @@ def baseline(catalogue: RegistersConfig, register: str) -> SamplingKnobs:
     return SamplingKnobs(
         reg.sampling.temperature, reg.sampling.top_p, level.top_k, level.repetition_penalty, level.min_p
     )
+
+
+def from_traits(traits: dict[str, float]) -> tuple[float, float]:
+    """(temperature, top_p) a trait vector implies on its own: restraint (Sophrosyne) cools and
+    narrows, its absence heats and widens. Fitted to the design's table (caste-preacher
+    Sophrosyne +0.8 -> 0.3 / 0.62, drunk-scavenger -0.8 -> 1.1 / 0.94)."""
+    restraint = float(traits.get("Sophrosyne", 0.0))
+    return 0.7 - 0.5 * restraint, 0.78 - 0.2 * restraint
+
+
+def _clamp(value: float, low: float, high: float) -> float:
+    return min(high, max(low, value))
+
+
+def for_turn(
+    catalogue: RegistersConfig,
+    register: str,
+    traits: dict[str, float] | None = None,
+    arousal: float = 0.5,
+    valence: float = 0.0,
+) -> SamplingKnobs:
+    """The knobs for one turn: the register's row of the scene table, shifted by how far this
+    NPC's trait vector sits from the register's profile, then modulated by affect (arousal heats
+    and widens, up to +-20% temperature; distress (negative valence) discourages repetition)."""
+    knobs = baseline(catalogue, register)
+    temperature, top_p = knobs.temperature, knobs.top_p
+    if traits:
+        own_t, own_p = from_traits(traits)
+        reg_t, reg_p = from_traits(catalogue.get(register).traits)
+        temperature, top_p = temperature + own_t - reg_t, top_p + own_p - reg_p
+    temperature *= 1 + 0.4 * (arousal - 0.5)
+    top_p += 0.1 * (arousal - 0.5)
+    return SamplingKnobs(
+        temperature=round(_clamp(temperature, 0.05, 2.0), 4),
+        top_p=round(_clamp(top_p, 0.1, 1.0), 4),
+        top_k=knobs.top_k,
+        repetition_penalty=round(knobs.repetition_penalty + 0.05 * max(0.0, -valence), 4),
+        min_p=knobs.min_p,
+        max_new_tokens=knobs.max_new_tokens,
+    )

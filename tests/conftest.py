@@ -82,20 +82,8 @@ def flower_two_rounds(request: pytest.FixtureRequest, tmp_path_factory: pytest.T
     if not any(item.nodeid.startswith("tests/test_federation_deploy.py") for item in request.session.items):
         yield None
         return
-    from tests.flower_deployment import Background
-    from tests.test_federation_deploy import two_rounds
+    from tests.test_federation_deploy import start
 
-    job = Background(two_rounds, tmp_path_factory.mktemp("flower_deployment"))
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist the other worker fills the waits
-        job.start()
+    job = start(tmp_path_factory.mktemp("flower_deployment"))
     yield job
-    if job.ident is not None:
-        job.join(timeout=60)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``pytest -n 2 --dist loadgroup`` the tests sharing ``tiny_run`` run on one worker,
-    which builds it once; everything else goes to the other."""
-    for item in items:
-        if "tiny_run" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("tiny_run"))
+    job.join(timeout=60)

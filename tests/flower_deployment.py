@@ -312,8 +312,6 @@ class Background(threading.Thread):
             self.error = exc
 
     def outcome(self, timeout: float) -> Any:
-        if self.ident is None:  # not started in the background (pytest-xdist): run it now
-            self.start()
         self.join(timeout)
         assert not self.is_alive(), f"the background deployment did not finish within {timeout} s"
         if self.error is not None:

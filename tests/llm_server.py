@@ -9,7 +9,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -58,8 +58,17 @@ class LLMServer:
                     return self._send(200, b"{not json at all")
                 content = server.answer(body)
                 if self.path.endswith("/v1/messages"):  # Anthropic Messages API
+                    block: dict[str, Any] = {"type": "text", "text": content}
+                    if body.get("tools"):  # a forced tool call answers with the tool's input
+                        with suppress(ValueError):
+                            block = {
+                                "type": "tool_use",
+                                "id": "toolu_1",
+                                "name": body["tools"][0]["name"],
+                                "input": json.loads(content),
+                            }
                     data = {
-                        "content": [{"type": "text", "text": content}],
+                        "content": [block],
                         "usage": {"input_tokens": 40, "output_tokens": 12},
                     }
                 else:

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import uvicorn
 from safetensors.torch import save
 
 from nimmer_train.backup.sealing import BackupError, Sealed, seal, unseal
 from nimmer_train.backup.service import BackupClient, local_app
+from tests.loopback import serve_app
 
 PASSPHRASE = "correct horse battery staple"
 
@@ -26,21 +23,8 @@ PASSPHRASE = "correct horse battery staple"
 @pytest.fixture
 def host(tmp_path: Path) -> Iterator[tuple[BackupClient, Path]]:
     """The backup service on a free loopback port, its files under tmp_path/host."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(local_app(tmp_path / "host"), host="127.0.0.1", port=port, log_level="error")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the backup service did not start"
-        time.sleep(0.05)
-    yield BackupClient(f"http://127.0.0.1:{port}"), tmp_path / "host"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_app(local_app(tmp_path / "host")) as url:
+        yield BackupClient(url), tmp_path / "host"
 
 
 def _lora() -> bytes:

@@ -78,6 +78,12 @@ def two_rounds(work: Path) -> dict[str, Any]:
     }
 
 
+def start(work: Path) -> Background:
+    job = Background(two_rounds, work)
+    job.start()
+    return job
+
+
 @pytest.mark.slow
 def test_superlink_and_three_supernodes_over_tls(flower_two_rounds: Background) -> None:
     result = flower_two_rounds.outcome(timeout=600)

@@ -12,7 +12,7 @@ from tests.conftest import kill_when, run_pipeline
 
 pytestmark = pytest.mark.slow
 
-OVERRIDES = ("experiment=ci_tiny", "train.max_steps=80", "train.checkpoint_every=20", "train.eval_every=40")
+OVERRIDES = ("experiment=ci_tiny",)  # the same build as tiny_run's, which is the uninterrupted reference
 
 
 def _manifest(workdir: Path) -> dict:
@@ -28,9 +28,8 @@ def _weights_sha(workdir: Path) -> str:
     return next(f["sha256"] for f in _manifest(workdir)["files"] if f["path"] == "model.safetensors")
 
 
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path: Path) -> None:
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run_pipeline("build_base", straight, *OVERRIDES)
+def test_sigkill_then_resume_matches_uninterrupted(tiny_run: Path, tmp_path: Path) -> None:
+    straight, killed = tiny_run, tmp_path / "killed"
 
     kill_when(
         "build_base",
@@ -52,4 +51,4 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path: Path) -> None:
     (run,) = client.search_runs([exp.experiment_id])  # the resumed run continued, not a second one
     assert run.data.tags.get("resumed") == "true" and run.info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
-    assert steps[-1] == 80
+    assert steps[-1] == 100

@@ -28,7 +28,7 @@ class SelectionConfig:
             raise ValueError("runtime.selection: margin must be >= 0 and patience >= 1")
 
 
-def _vec(traits: dict[str, float]) -> list[float]:
+def vector(traits: dict[str, float]) -> list[float]:
     return [float(traits.get(axis, 0.0)) for axis in TRAIT_AXES]
 
 
@@ -50,13 +50,14 @@ class RegisterSelector:
     switches: int = 0
 
     def scores(self) -> dict[str, float]:
-        return {name: cosine(self.accumulator, _vec(p)) for name, p in self.profiles.items()}
+        return {name: cosine(self.accumulator, vector(p)) for name, p in self.profiles.items()}
 
     def update(self, gesture: dict[str, float]) -> str:
         """Fold in one turn's gesture (a trait vector in [-1, 1]) and return the register to use."""
         check_vector(gesture, "gesture")
         d = self.config.decay
-        self.accumulator = [d * a + (1 - d) * g for a, g in zip(self.accumulator, _vec(gesture), strict=True)]
+        target = vector(gesture)
+        self.accumulator = [d * a + (1 - d) * g for a, g in zip(self.accumulator, target, strict=True)]
         scores = self.scores()
         best = max(scores, key=lambda name: (scores[name], name))
         if self.current is None:

@@ -15,6 +15,7 @@ from nimmer_train.teacher.base import Teacher, TeacherConfig, TeacherFatalError,
 from nimmer_train.teacher.http import post_with_retries
 
 EXTRA_KNOBS = ("top_k", "repetition_penalty", "min_p")
+TURN_TOOL = "npc_turn"
 
 
 def _api_key(cfg: TeacherConfig, required: bool) -> str | None:
@@ -101,9 +102,23 @@ class Anthropic:
             "top_k": request.sampling.top_k,
         }
         dropped = ("top_p", "repetition_penalty", "min_p")
+        if self.cfg.json_tool:  # structured output through tool use: the input is the turn
+            body["tools"] = [
+                {
+                    "name": TURN_TOOL,
+                    "description": "Speak one turn.",
+                    "input_schema": request.prompt.output_schema,
+                }
+            ]
+            body["tool_choice"] = {"type": "tool", "name": TURN_TOOL}
 
         def parse(data: dict[str, Any]) -> TeacherReply:
-            text = "".join(block["text"] for block in data["content"] if block["type"] == "text")
+            tool = [b["input"] for b in data["content"] if b["type"] == "tool_use" and b["name"] == TURN_TOOL]
+            text = (
+                json.dumps(tool[0])
+                if tool
+                else "".join(block["text"] for block in data["content"] if block["type"] == "text")
+            )
             usage = data.get("usage") or {}
             return TeacherReply(
                 text,

@@ -28,6 +28,7 @@ class TeacherConfig:
     batch_size: int = 8  # hf_local generation batch
     max_new_tokens: int = 200
     json_mode: bool = True  # ask for JSON where the API can (OpenAI response_format)
+    json_tool: bool = False  # anthropic: force a tool call whose input_schema is the output_schema
     extra_sampling: bool = True  # send top_k / repetition_penalty / min_p (vLLM, llama.cpp, ...)
     price_in_per_mtok: float = 0.0  # USD per million prompt tokens, for the cost figure
     price_out_per_mtok: float = 0.0

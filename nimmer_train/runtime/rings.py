@@ -1,0 +1,240 @@
+"""The three rings of inference behind one call, chosen per tier (the design's player_llm_config):
+
+- Ring A: in-process (:class:`LocalModel`), the register's LoRA, schema-constrained decoding.
+- Ring B: our OpenAI-compatible server (``nimmer serve``, or a vLLM multi-LoRA farm): the model id
+  ``<version>:<register>`` picks the adapter; every knob is sent; the schema goes as
+  ``response_format`` and is enforced server-side.
+- Ring C: an external provider with the player's own key (OpenAI-compatible or Anthropic, through
+  the teacher backends: retries with backoff, classified errors, token counts). There is no LoRA,
+  so the register is emulated by the trait-projection prompt; knobs the provider lacks are dropped
+  and recorded as feature_compat_warnings; JSON mode (OpenAI) or a forced tool call (Anthropic).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+from nimmer_train.composition import GenerationRequest
+from nimmer_train.errors import ConfigError
+from nimmer_train.prompt_dsl import TurnPrompt, render_compact, render_projection
+from nimmer_train.registers import Register
+from nimmer_train.sampling import SamplingKnobs
+from nimmer_train.teacher.base import TeacherConfig
+from nimmer_train.teacher.http import post_with_retries
+
+RINGS = ("A", "B", "C")
+PROVIDERS = ("openai_compatible", "anthropic")
+
+
+@dataclass
+class RingConfig:
+    """How one tier (casual or deep) is served."""
+
+    ring: str = "A"
+    base_url: str | None = None  # B: http://host:port/v1 of nimmer serve; C: the provider's API
+    provider: str = "openai_compatible"  # C: openai_compatible | anthropic
+    model: str | None = None  # C: the provider's model name
+    api_key_env: str | None = None  # C: environment variable with the player's own key
+    price_in_per_mtok: float = 0.0  # C: USD per million tokens, for the cost figure
+    price_out_per_mtok: float = 0.0
+    timeout_s: float = 60.0
+    max_retries: int = 3
+    constrained: bool = True  # A and B: schema-constrained decoding
+    context_tokens: int | None = None  # B and C: the model's context window; null: not limited
+
+    def __post_init__(self) -> None:
+        if self.ring not in RINGS:
+            raise ConfigError("ring", f"unknown ring {self.ring!r}; known: {', '.join(RINGS)}")
+        if self.ring in ("B", "C") and not self.base_url and self.provider != "anthropic":
+            raise ConfigError("base_url", f"required for ring {self.ring}")
+        if self.ring == "C" and (self.provider not in PROVIDERS or not self.model):
+            raise ConfigError("provider/model", f"ring C needs provider in {PROVIDERS} and a model")
+
+    def teacher(self, max_new_tokens: int) -> TeacherConfig:
+        return TeacherConfig(
+            backend="openai_compatible" if self.ring == "B" else self.provider,
+            model=self.model or "nimmer",
+            base_url=self.base_url,
+            api_key_env=self.api_key_env,
+            timeout_s=self.timeout_s,
+            max_retries=self.max_retries,
+            max_new_tokens=max_new_tokens,
+            json_mode=True,
+            json_tool=True,
+            extra_sampling=False,
+            price_in_per_mtok=self.price_in_per_mtok,
+            price_out_per_mtok=self.price_out_per_mtok,
+        )
+
+
+@dataclass
+class RingReply:
+    text: str | None
+    ring: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    cost_usd: float = 0.0
+    adapter: str | None = None  # the LoRA that spoke (A, B); None for C or the bare version
+    constrained: bool = False  # the schema was enforced while decoding
+    feature_compat_warnings: list[str] = field(default_factory=list)
+    error: str | None = None  # timeout, connection, http_503, malformed_response, ...
+
+
+def word_count(text: str) -> int:
+    """A tokenizer-free estimate (about 1.3 tokens per word) where the ring's tokenizer is unknown."""
+    return int(len(text.split()) * 1.3) + 1
+
+
+class Ring(Protocol):
+    name: str
+    constrained: bool
+    context_tokens: int | None  # prompt + reply must fit in this many tokens
+
+    def count(self, text: str) -> int: ...
+
+    def render(self, prompt: TurnPrompt, register: Register) -> list[dict[str, str]]: ...
+
+    def speak(self, prompt: TurnPrompt, register: Register, name: str, knobs: SamplingKnobs) -> RingReply: ...
+
+
+class RingA:
+    name = "A"
+
+    def __init__(self, model: Any, constrained: bool = True) -> None:
+        self.model, self.constrained = model, constrained
+        self.context_tokens: int | None = model.context_tokens
+
+    def count(self, text: str) -> int:
+        return len(self.model.tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
+
+    def render(self, prompt: TurnPrompt, register: Register) -> list[dict[str, str]]:
+        return render_compact(prompt)
+
+    def speak(self, prompt: TurnPrompt, register: Register, name: str, knobs: SamplingKnobs) -> RingReply:
+        schema = prompt.output_schema if self.constrained else None
+        out = self.model.generate(self.render(prompt, register), name, knobs, schema)
+        return RingReply(
+            out.text,
+            "A",
+            out.prompt_tokens,
+            out.completion_tokens,
+            out.seconds,
+            0.0,
+            out.adapter,
+            self.constrained,
+        )
+
+
+class RingB:
+    """A client of an OpenAI-compatible multi-LoRA server (nimmer serve, vLLM)."""
+
+    name = "B"
+
+    def __init__(self, cfg: RingConfig, client: httpx.Client | None = None) -> None:
+        self.cfg, self.constrained, self.context_tokens = cfg, cfg.constrained, cfg.context_tokens
+        self.count = word_count
+        self.base = str(cfg.base_url).rstrip("/")
+        self.client = client or httpx.Client()
+        self._models: list[str] | None = None
+
+    def model_id(self, register: str) -> str:
+        if self._models is None:
+            reply = self.client.get(f"{self.base}/models", timeout=self.cfg.timeout_s)
+            reply.raise_for_status()
+            self._models = [m["id"] for m in reply.json()["data"]]
+        base = next(m for m in self._models if ":" not in m)
+        wanted = f"{base}:{register}"
+        return wanted if wanted in self._models else base  # the register merged into the base
+
+    def render(self, prompt: TurnPrompt, register: Register) -> list[dict[str, str]]:
+        return render_compact(prompt)
+
+    def speak(self, prompt: TurnPrompt, register: Register, name: str, knobs: SamplingKnobs) -> RingReply:
+        model = self.model_id(name)
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": self.render(prompt, register),
+            "max_tokens": knobs.max_new_tokens,
+            **{k: v for k, v in knobs.as_dict().items() if k != "max_new_tokens"},
+        }
+        if self.constrained:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "npc_turn", "schema": prompt.output_schema},
+            }
+
+        def parse(data: dict[str, Any]) -> Any:
+            usage = data.get("usage") or {}
+            from nimmer_train.teacher.base import TeacherReply
+
+            return TeacherReply(
+                data["choices"][0]["message"]["content"],
+                int(usage.get("prompt_tokens", 0)),
+                int(usage.get("completion_tokens", 0)),
+            )
+
+        started = time.perf_counter()
+        reply = post_with_retries(
+            self.client,
+            f"{self.base}/chat/completions",
+            body,
+            {},
+            self.cfg.teacher(knobs.max_new_tokens),
+            parse,
+        )
+        return RingReply(
+            reply.content,
+            "B",
+            reply.prompt_tokens,
+            reply.completion_tokens,
+            time.perf_counter() - started,
+            adapter=model.split(":", 1)[1] if ":" in model else None,
+            constrained=self.constrained,
+            error=reply.error,
+        )
+
+
+class RingC:
+    """An external provider with the player's key; the register emulated by the projection prompt."""
+
+    name = "C"
+    constrained = False
+
+    def __init__(self, cfg: RingConfig) -> None:
+        from nimmer_train.teacher.backends import make_teacher
+
+        self.cfg, self.context_tokens, self.count = cfg, cfg.context_tokens, word_count
+        self._make = make_teacher
+
+    def render(self, prompt: TurnPrompt, register: Register) -> list[dict[str, str]]:
+        return render_projection(prompt, register)
+
+    def speak(self, prompt: TurnPrompt, register: Register, name: str, knobs: SamplingKnobs) -> RingReply:
+        teacher_cfg = self.cfg.teacher(knobs.max_new_tokens)
+        teacher = self._make(teacher_cfg)
+        messages = self.render(prompt, register)
+        request = GenerationRequest(name, {}, prompt, messages, knobs, key="")
+        reply = teacher.generate([request])[0]
+        warnings = [f"{k} not supported by {self.cfg.provider}; dropped" for k in reply.dropped_knobs]
+        warnings.append("register LoRA emulated by the trait-projection prompt")
+        if self.cfg.provider == "anthropic" and knobs.temperature > 1.0:
+            warnings.append(f"temperature {knobs.temperature} clamped to 1.0 (anthropic's maximum)")
+        cost = (
+            reply.prompt_tokens * self.cfg.price_in_per_mtok
+            + reply.completion_tokens * self.cfg.price_out_per_mtok
+        ) / 1e6
+        return RingReply(
+            reply.content,
+            "C",
+            reply.prompt_tokens,
+            reply.completion_tokens,
+            reply.latency_s,
+            cost,
+            feature_compat_warnings=warnings,
+            error=reply.error,
+        )

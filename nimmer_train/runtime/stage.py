@@ -1,0 +1,156 @@
+"""The end of ``run_all``: load the newest version verified, then speak one turn per register
+through Ring A (in-process) and through ``nimmer serve`` (a real server process, Ring B), with the
+demo player's memory as the knowledge stack and the spoken lines written back to it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from nimmer_train import tracking
+from nimmer_train.artifacts import write_json_atomic
+from nimmer_train.config import Config
+from nimmer_train.errors import NimmerError
+from nimmer_train.prompt_dsl import AffectState
+from nimmer_train.runtime.local import LocalModel
+from nimmer_train.runtime.rings import RingA, RingB, RingConfig
+from nimmer_train.runtime.selection import SelectionConfig
+from nimmer_train.runtime.turn import NpcRuntime, Turn, TurnRequest
+
+TURNS_FILE = "turns.json"
+
+
+@contextlib.contextmanager
+def serve_process(releases: Path, version: str, trusted: Path, timeout_s: float = 120) -> Iterator[str]:
+    """``nimmer serve`` as a subprocess on a free loopback port; yields its /v1 URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nimmer_train.cli",
+        "serve",
+        "--releases",
+        str(releases),
+        "--trusted-keys",
+        str(trusted),
+        "--version",
+        version,
+        "--port",
+        str(port),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
+    )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise NimmerError(
+                    f"nimmer serve exited ({proc.returncode}): {proc.stdout.read() if proc.stdout else ''}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise NimmerError(f"nimmer serve did not answer on {url} within {timeout_s:.0f} s")
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _request(register: str, traits: dict[str, float], tier: str) -> TurnRequest:
+    return TurnRequest(
+        npc=f"npc-{register}",
+        gesture=traits,
+        player_utterance="What news from the gate tonight?",
+        turn_intent="answer the player in your own register",
+        zone_context="the lower ring at dusk, by the water gate",
+        district="lower-ring",
+        affect=AffectState("watchful", valence=-0.1, arousal=0.5),
+        tier=tier,
+    )
+
+
+def speak_stage(cfg: Config, pipeline: str = "speak") -> list[Turn]:
+    """Speak the demo turns inside an MLflow run (turns table and timings logged)."""
+    with tracking.stage_run(cfg, pipeline, "speak") as run_id:
+        turns = _speak(cfg)
+        if run_id:
+            import mlflow
+
+            rows = [
+                {
+                    "register": t.register,
+                    "ring": t.ring,
+                    "adapter": t.adapter or "",
+                    "reply": json.dumps(t.reply),
+                    "temperature": t.knobs["temperature"],
+                    "top_p": t.knobs["top_p"],
+                    "seconds": t.seconds,
+                }
+                for t in turns
+            ]
+            mlflow.log_table({k: [r[k] for r in rows] for k in rows[0]}, "turns.json")
+            mlflow.log_metrics(
+                {"turns": len(turns), "mean_turn_seconds": sum(t.seconds for t in turns) / len(turns)}
+            )
+    return turns
+
+
+def _speak(cfg: Config) -> list[Turn]:
+    r = cfg.runtime
+    releases, trusted = Path(r.releases_dir), Path(r.trusted_keys)
+    model = LocalModel.open(releases, r.version, trusted)
+    registers = [*model.registers, *([model.merged_register] if model.merged_register else [])]
+    from nimmer_train.embedding import SentenceEmbedder
+    from nimmer_train.memory.sync import open_player
+
+    memory, _ = open_player(Path(r.player_dir), SentenceEmbedder())
+    turns: list[Turn] = []
+    try:
+        with serve_process(releases, model.label, trusted) as url:
+            rings = {"casual": RingA(model), "deep": RingB(RingConfig(ring="B", base_url=url))}
+            runtime = NpcRuntime(
+                cfg.registers,
+                rings,
+                memory=memory,
+                selection=SelectionConfig(r.decay, r.margin, r.patience),
+                registers=sorted(registers),
+                max_new_tokens=r.max_new_tokens,
+            )
+            for register in sorted(registers):
+                traits = cfg.registers.get(register).traits
+                for tier in ("casual", "deep"):
+                    turn = runtime.speak(_request(register, traits, tier))
+                    turns.append(turn)
+    finally:
+        memory.close()
+    write_json_atomic(Path(cfg.paths.workdir).resolve() / "runtime" / TURNS_FILE, [asdict(t) for t in turns])
+    print(f"\nOne turn per register on {model.label} (ring A: in-process; ring B: nimmer serve at {url}):")
+    for t in turns:
+        k = t.knobs
+        lora = t.adapter or "no LoRA: in the weights"
+        print(
+            f"  [{t.register}] ring {t.ring} ({lora}; "
+            f"T={k['temperature']}, top_p={k['top_p']}, top_k={k['top_k']})"
+        )
+        print(f"      {json.dumps(t.reply, ensure_ascii=False)}")
+    return turns

@@ -1,0 +1,188 @@
+"""One NPC turn: select the register, set the knobs, assemble the prompt, generate through the
+tier's ring, validate the reply against the turn's schema, write it back to the player's memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nimmer_train import sampling
+from nimmer_train.errors import NimmerError
+from nimmer_train.prompt_dsl import (
+    TURN_SCHEMA,
+    AffectState,
+    MemoryScope,
+    ReplyError,
+    TurnPrompt,
+    validate_reply,
+)
+from nimmer_train.registers import RegistersConfig
+from nimmer_train.runtime.rings import Ring, RingReply
+from nimmer_train.runtime.selection import RegisterSelector, SelectionConfig
+
+CONTEXT_SLACK = 24  # chat-template tokens and JSON quoting around the memory items
+
+
+class TurnError(NimmerError):
+    """A turn that could not be spoken; ``kind``: invalid_output, timeout, connection, http_NNN,
+    malformed_response, ... The game shows a fallback line; it never receives malformed JSON."""
+
+    def __init__(self, kind: str, detail: str, replies: list[RingReply]) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.detail, self.replies = kind, detail, replies
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    npc: str
+    gesture: dict[str, float]  # this turn's gesture, as a trait vector (drives the accumulator)
+    player_utterance: str
+    turn_intent: str
+    zone_context: str
+    district: str = "lower-ring"
+    npc_traits: dict[str, float] | None = None  # null: the selected register's profile
+    affect: AffectState = field(default_factory=lambda: AffectState("calm"))
+    tier: str = "casual"  # which ring serves it: the player's casual or deep tier
+    output_schema: dict[str, Any] = field(default_factory=lambda: dict(TURN_SCHEMA))
+
+
+@dataclass
+class Turn:
+    npc: str
+    register: str
+    reply: dict[str, Any]  # valid under the turn's output_schema
+    knobs: dict[str, float | int]
+    ring: str
+    adapter: str | None
+    attempts: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float
+    feature_compat_warnings: list[str]
+    seconds: float
+    timings: dict[str, float]  # select, knobs, assemble, generate, validate, write_back
+
+
+class NpcRuntime:
+    """The thin runtime for one player: rings per tier, one selector per NPC, their memory."""
+
+    def __init__(
+        self,
+        catalogue: RegistersConfig,
+        rings: dict[str, Ring],
+        memory: Any = None,  # a PlayerMemory; None: no knowledge stack, no write-back
+        selection: SelectionConfig | None = None,
+        budgets: dict[str, int] | None = None,  # knowledge-stack tokens per layer
+        registers: list[str] | None = None,  # registers that can speak; null: the catalogue
+        max_new_tokens: int | None = None,  # null: the knobs' default
+    ) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.catalogue, self.rings, self.memory = catalogue, rings, memory
+        self.selection = selection or SelectionConfig()
+        self.budgets = budgets or {"world": 60, "district": 60, "primary": 120, "clasp": 60}
+        names = registers or catalogue.names
+        self.profiles = {name: catalogue.get(name).traits for name in names}
+        self.selectors: dict[str, RegisterSelector] = {}
+
+    def selector(self, npc: str) -> RegisterSelector:
+        if npc not in self.selectors:
+            self.selectors[npc] = RegisterSelector(self.profiles, self.selection)
+        return self.selectors[npc]
+
+    def _scope(
+        self, req: TurnRequest, mode: Any, ring: Ring, bare: list[dict[str, str]], reply: int
+    ) -> MemoryScope:
+        """The knowledge stack, each layer within its budget, all of it within what the ring's
+        context leaves after the bare prompt and the reply (budgets scale down to fit)."""
+        if self.memory is None:
+            return MemoryScope(layers=(), items=())
+        from nimmer_train.memory.knowledge import assemble
+
+        budgets = dict(self.budgets)
+        if ring.context_tokens:
+            room = (
+                ring.context_tokens - reply - ring.count(json.dumps(bare, ensure_ascii=False)) - CONTEXT_SLACK
+            )
+            scale = max(0.0, min(1.0, room / max(1, sum(budgets.values()))))
+            budgets = {k: int(v * scale) for k, v in budgets.items()}
+        return assemble(self.memory, req.district, req.player_utterance, mode, budgets, count=ring.count)
+
+    def speak(self, req: TurnRequest, mode: Any = None) -> Turn:
+        from nimmer_train.memory.store import Mode
+
+        mode = mode or Mode.REALWORLD
+        if req.tier not in self.rings:
+            raise NimmerError(f"tier {req.tier!r} has no ring; configured: {', '.join(self.rings)}")
+        ring = self.rings[req.tier]
+        t = {"start": time.perf_counter()}
+        name = self.selector(req.npc).update(req.gesture)
+        register = self.catalogue.get(name)
+        t["select"] = time.perf_counter()
+        traits = req.npc_traits or register.traits
+        knobs = sampling.for_turn(self.catalogue, name, traits, req.affect.arousal, req.affect.valence)
+        if self.max_new_tokens:
+            knobs = dataclasses.replace(knobs, max_new_tokens=self.max_new_tokens)
+        t["knobs"] = time.perf_counter()
+        bare = TurnPrompt(
+            role=register.role,
+            trait_vector=dict(traits),
+            affect_state=req.affect,
+            memory_scope=MemoryScope(layers=(), items=()),
+            turn_intent=req.turn_intent,
+            zone_context=req.zone_context,
+            output_schema=req.output_schema,
+            player_utterance=req.player_utterance,
+        )
+        scope = self._scope(req, mode, ring, ring.render(bare, register), knobs.max_new_tokens)
+        prompt = dataclasses.replace(bare, memory_scope=scope)
+        t["assemble"] = time.perf_counter()
+        replies: list[RingReply] = []
+        reply: dict[str, Any] | None = None
+        generate_s = validate_s = 0.0
+        last_error: ReplyError | None = None
+        for _ in range(1 if ring.constrained else 2):  # unconstrained output: validate, retry once
+            g0 = time.perf_counter()
+            out = ring.speak(prompt, register, name, knobs)
+            generate_s += time.perf_counter() - g0
+            replies.append(out)
+            if out.error:
+                raise TurnError(out.error, f"ring {out.ring} gave no reply after retries", replies)
+            v0 = time.perf_counter()
+            try:
+                reply = validate_reply(out.text, req.output_schema)
+            except ReplyError as exc:
+                last_error = exc
+            validate_s += time.perf_counter() - v0
+            if reply is not None:
+                break
+        if reply is None:
+            raise TurnError("invalid_output", f"{last_error} (after {len(replies)} attempts)", replies)
+        w0 = time.perf_counter()
+        if self.memory is not None:  # the spoken line, in the store the mode allows (clasp in-between)
+            self.memory.write(reply["utterance"], f"npc:{req.npc}", "working", "casual_dialog", mode=mode)
+        end = time.perf_counter()
+        return Turn(
+            npc=req.npc,
+            register=name,
+            reply=reply,
+            knobs=knobs.as_dict(),
+            ring=out.ring,
+            adapter=out.adapter,
+            attempts=len(replies),
+            prompt_tokens=sum(r.prompt_tokens for r in replies),
+            completion_tokens=sum(r.completion_tokens for r in replies),
+            cost_usd=sum(r.cost_usd for r in replies),
+            feature_compat_warnings=out.feature_compat_warnings,
+            seconds=end - t["start"],
+            timings={
+                "select": t["select"] - t["start"],
+                "knobs": t["knobs"] - t["select"],
+                "assemble": t["assemble"] - t["knobs"],
+                "generate": generate_s,
+                "validate": validate_s,
+                "write_back": end - w0,
+            },
+        )
