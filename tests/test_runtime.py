@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import validate
 
-from nimmer_train.prompt_dsl import TURN_SCHEMA
+from nimmer_train.errors import ConfigError
+from nimmer_train.prompt_dsl import TURN_SCHEMA, render_compact
 from nimmer_train.registers import load_catalogue
 from nimmer_train.runtime.local import LocalModel
-from nimmer_train.runtime.rings import RingA, RingB, RingC, RingConfig, RingReply
+from nimmer_train.runtime.rings import RingA, RingB, RingC, RingConfig, RingReply, player_rings, word_count
 from nimmer_train.runtime.selection import RegisterSelector, SelectionConfig, cosine, vector
 from nimmer_train.runtime.server import create_app
 from nimmer_train.runtime.structured import bounded
@@ -82,11 +83,15 @@ def test_knobs_follow_the_scene_table_traits_and_affect() -> None:
 class ScriptedRing:
     """A ring that answers from a list (the failure path needs exact bad outputs)."""
 
-    name, constrained = "test", False
+    name, constrained, context_tokens = "test", False, None
+    count = staticmethod(word_count)
 
     def __init__(self, texts: list[str]) -> None:
         self.texts = texts
         self.calls = 0
+
+    def render(self, prompt, register):  # noqa: ANN001, ANN201
+        return render_compact(prompt)
 
     def speak(self, prompt, register, name, knobs) -> RingReply:  # noqa: ANN001
         self.calls += 1
@@ -278,3 +283,36 @@ def test_nimmer_serve_runs_as_a_process_over_a_verified_version(tiny_run: Path) 
         ids = [m["id"] for m in httpx.get(f"{url}/models").json()["data"]]
     # v2 has the hivemind-broadcast federated adapter merged into its weights: no LoRA for it
     assert ids == ["nimmerworld-base-v2", "nimmerworld-base-v2:drunk-scavenger"]
+
+
+def test_player_llm_config_puts_tiers_in_different_rings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PLAYER_KEY", "sk-player")
+    with serve(lambda body: json.dumps({"utterance": "Noted, citizen."})) as server:
+        row = {
+            "casual_tier_ring": "C_external",
+            "casual_tier_provider": "anthropic",
+            "casual_tier_endpoint": server.url,
+            "casual_tier_model": "claude-x",
+            "casual_tier_credentials_ref": "PLAYER_KEY",
+            "deep_tier_ring": "C_external",
+            "deep_tier_endpoint": f"{server.url}/v1",
+            "deep_tier_model": "gpt-x",
+        }
+        rings, warnings = player_rings(row)
+        assert warnings["casual_tier"] == [
+            "multi_lora_emulated_via_prompt",
+            "top_p_unsupported_dropped",
+            "repetition_penalty_unsupported_dropped",
+            "min_p_unsupported_dropped",
+        ]
+        runtime = NpcRuntime(CATALOGUE, rings)
+        assert runtime.speak(_request(tier="casual")).reply == {"utterance": "Noted, citizen."}
+        assert runtime.speak(_request(tier="deep")).ring == "C"
+        assert [("tools" in r) for r in server.requests] == [
+            True,
+            False,
+        ]  # anthropic tool use, then OpenAI JSON mode
+    with pytest.raises(ConfigError, match="A_local needs the local model"):
+        player_rings({"casual_tier_ring": "A_local"})
+    with pytest.raises(ConfigError, match="casual_tier_ring"):
+        player_rings({"casual_tier_ring": "D_moon"})

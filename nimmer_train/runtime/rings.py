@@ -220,10 +220,10 @@ class RingC:
         messages = self.render(prompt, register)
         request = GenerationRequest(name, {}, prompt, messages, knobs, key="")
         reply = teacher.generate([request])[0]
-        warnings = [f"{k} not supported by {self.cfg.provider}; dropped" for k in reply.dropped_knobs]
-        warnings.append("register LoRA emulated by the trait-projection prompt")
+        warnings = [f"{k}_unsupported_dropped" for k in reply.dropped_knobs]
+        warnings.append("multi_lora_emulated_via_prompt")
         if self.cfg.provider == "anthropic" and knobs.temperature > 1.0:
-            warnings.append(f"temperature {knobs.temperature} clamped to 1.0 (anthropic's maximum)")
+            warnings.append(f"temperature_{knobs.temperature}_clamped_to_1.0")
         cost = (
             reply.prompt_tokens * self.cfg.price_in_per_mtok
             + reply.completion_tokens * self.cfg.price_out_per_mtok
@@ -238,3 +238,44 @@ class RingC:
             feature_compat_warnings=warnings,
             error=reply.error,
         )
+
+
+RING_CODES = {"A_local": "A", "B_our_farm": "B", "C_external": "C"}
+DROPPED = {
+    "openai_compatible": ("top_k", "repetition_penalty", "min_p"),
+    "anthropic": ("top_p", "repetition_penalty", "min_p"),
+}
+
+
+def compat_warnings(cfg: RingConfig) -> list[str]:
+    """What a tier loses in its ring, known at config time (the design's feature_compat_warnings)."""
+    if cfg.ring != "C":
+        return []
+    return ["multi_lora_emulated_via_prompt", *(f"{k}_unsupported_dropped" for k in DROPPED[cfg.provider])]
+
+
+def player_rings(row: dict[str, Any], local: Any = None) -> tuple[dict[str, Ring], dict[str, list[str]]]:
+    """Rings per tier from a player_llm_config row (``casual_tier_ring``: A_local, B_our_farm or
+    C_external; ``*_provider``, ``*_endpoint``, ``*_credentials_ref`` = the environment variable
+    holding the player's key, ``*_model``), and the feature_compat_warnings per tier. Ring A needs
+    ``local`` (a LocalModel)."""
+    rings: dict[str, Ring] = {}
+    warnings: dict[str, list[str]] = {}
+    for tier in ("casual", "deep"):
+        code = row.get(f"{tier}_tier_ring")
+        if code is None:
+            continue
+        if code not in RING_CODES:
+            raise ConfigError(f"{tier}_tier_ring", f"{code!r}; known: {', '.join(RING_CODES)}")
+        cfg = RingConfig(
+            ring=RING_CODES[code],
+            base_url=row.get(f"{tier}_tier_endpoint"),
+            provider=row.get(f"{tier}_tier_provider") or "openai_compatible",
+            model=row.get(f"{tier}_tier_model"),
+            api_key_env=row.get(f"{tier}_tier_credentials_ref"),
+        )
+        if cfg.ring == "A" and local is None:
+            raise ConfigError(f"{tier}_tier_ring", "A_local needs the local model loaded on this device")
+        rings[tier] = RingA(local) if cfg.ring == "A" else RingB(cfg) if cfg.ring == "B" else RingC(cfg)
+        warnings[f"{tier}_tier"] = compat_warnings(cfg)
+    return rings, warnings
