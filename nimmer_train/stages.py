@@ -164,4 +164,8 @@ def run_all(
             if cfg.publish.enabled
             else []
         )
+        if versions and cfg.runtime.enabled:  # the thin runtime speaks through what was published
+            from nimmer_train.runtime.stage import speak_stage
+
+            speak_stage(cfg, pipeline="run_all")
     return corpus, synth, base, loras, federation, versions
