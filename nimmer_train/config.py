@@ -272,7 +272,7 @@ class RuntimeSettings:
     decay: float = 0.8  # gesture accumulator: weight of the past per turn
     margin: float = 0.1  # hysteresis: a challenger must win by more than this...
     patience: int = 3  # ... on this many consecutive turns
-    max_new_tokens: int = 96
+    max_new_tokens: int = 128
     seed: int = 0
 
 

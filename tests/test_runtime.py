@@ -255,10 +255,10 @@ def test_ring_a_and_ring_b_speak_valid_turns_per_register(tiny_model: LocalModel
 def test_bounded_schema_admits_only_valid_replies() -> None:
     roomy = bounded(TURN_SCHEMA, 200)
     assert set(roomy["properties"]) == {"utterance", "emotion", "gesture"}
-    assert (
-        roomy["properties"]["utterance"]["maxLength"]
-        == (200 - 2 - 3 * 6 - len("utteranceemotiongesture")) // 3
-    )
+    budget = 200 - 2 - 3 * 6 - len("utteranceemotiongesture")  # a worst case of one character per token
+    props = roomy["properties"]
+    assert props["utterance"]["maxLength"] == budget - 2 * 16  # optional strings are kept short
+    assert props["emotion"]["maxLength"] == props["gesture"]["maxLength"] == 16
     tight = bounded(TURN_SCHEMA, 48)  # only the required utterance fits a worst-case reply
     assert (
         list(tight["properties"]) == ["utterance"]

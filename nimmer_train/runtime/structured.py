@@ -33,6 +33,9 @@ def _grammar(schema_json: str) -> str:
     )
 
 
+OPTIONAL_CHARS = 16  # optional strings (emotion, gesture) are short; the required ones get the rest
+
+
 def bounded(schema: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
     """``schema`` narrowed so that a worst-case reply (one character per token) still closes
     within ``max_new_tokens``: a maxLength on each top-level string property and, when the budget
@@ -46,13 +49,18 @@ def bounded(schema: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
     strings = lambda names: [n for n in names if props[n].get("type") == "string"]  # noqa: E731
     if max_new_tokens - skeleton(keep) < 8 * max(1, len(strings(keep))):
         keep = [n for n in keep if n in schema.get("required", [])]
-    per_string = max(1, (max_new_tokens - skeleton(keep)) // max(1, len(strings(keep))))
+    budget = max_new_tokens - skeleton(keep)
+    required = [n for n in strings(keep) if n in schema.get("required", [])]
+    optional = [n for n in strings(keep) if n not in required]
+    optional_len = min(OPTIONAL_CHARS, budget // (2 * max(1, len(strings(keep)))))
+    required_len = max(1, (budget - optional_len * len(optional)) // max(1, len(required)))
     out = {**schema, "properties": {n: dict(props[n]) for n in keep}}
     for name in strings(keep):
         prop = out["properties"][name]
         if "enum" not in prop:
+            limit = required_len if name in required else max(1, optional_len)
             prop["maxLength"] = min(
-                int(prop.get("maxLength", per_string)), max(per_string, int(prop.get("minLength", 0)))
+                int(prop.get("maxLength", limit)), max(limit, int(prop.get("minLength", 0)))
             )
     return out
 
