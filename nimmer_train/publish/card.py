@@ -65,7 +65,8 @@ def render(manifest: dict[str, Any], license_: str) -> str:
         "## Training data",
         "",
         f"- Literary corpus `{lit['name']}` (public domain): {lit.get('works', '?')} works, "
-        f"{lit.get('tokens', '?')} tokens, fingerprint `{lit['fingerprint'][:12]}`",
+        f"{lit.get('tokens', '?')} training tokens ({lit.get('token_unit', 'unknown')}), "
+        f"fingerprint `{lit['fingerprint'][:12]}`",
     ]
     if refs.get("synthetic"):
         lines.append(

@@ -92,6 +92,7 @@ def _corpus_refs(req: PublishRequest, base_manifest: dict[str, Any], merged: dic
             name=corpus["lineage"].get("corpus", corpus_dir.name.rsplit("-", 1)[0]),
             works=len(corpus["lineage"].get("sources", {})),
             tokens=sum(w.get("train_tokens", 0) for w in stats.get("per_work", {}).values()),
+            token_unit=stats.get("token_unit", "unknown"),
             sources=corpus["lineage"].get("sources", {}),
         )
     else:
