@@ -1,5 +1,6 @@
 # nimmer-train: `make demo` runs the pipeline end to end, `make test` runs the test suite.
-# Both create .venv and install the project on first use.
+# Both create .venv and install the project on first use (--no-compile: Python compiles the
+# modules it imports on first use instead of all of torch, ray and mlflow up front).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -14,7 +15,7 @@ export FLWR_DISABLE_UPDATE_CHECK := 1
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
