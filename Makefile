@@ -1,7 +1,5 @@
 # nimmer-train: `make demo` runs the pipeline end to end, `make test` runs the test suite.
-# Both create .venv and install the project on first use. --no-compile: Python compiles the
-# modules it imports on first use (and caches them, hence the unexport) instead of all of
-# torch, ray and mlflow up front; the suite spawns many Python processes.
+# Both create .venv and install the project on first use.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -10,14 +8,13 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
-unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
