@@ -103,13 +103,10 @@ def test_evaluation_matrix_and_runs_in_mlflow(tiny_run: Path) -> None:
     assert header.split(",") == ["data", "base", *TWO] and len(rows) == 2
 
 
-def test_diagonal_wins_on_clearly_separable_registers(tiny_run: Path, tmp_path: Path) -> None:
-    base_dir = _only(tiny_run / "artifacts/base")
-    common = ("experiment=ci_tiny", "composition.per_register=null", f"lora.base_dir={base_dir}")
-    run_pipeline("synthesize", tmp_path, *common)
-    run_pipeline("train_loras", tmp_path, *common, "lora.max_steps=40", "lora.lr=3e-3")
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("nimmer-train_loras")
+def test_diagonal_wins_on_clearly_separable_registers(tiny_run: Path) -> None:
+    """ci_tiny trains two clearly different registers for 40 steps: each adapter wins on its own data."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{tiny_run / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("nimmer-run_all")
     (parent,) = [
         r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("stage") == "train_loras"
     ]
@@ -119,7 +116,7 @@ def test_diagonal_wins_on_clearly_separable_registers(tiny_run: Path, tmp_path: 
 
 def test_killed_adapter_resumes_and_finished_ones_are_not_retrained(tiny_run: Path, tmp_path: Path) -> None:
     base_dir = _only(tiny_run / "artifacts/base")
-    common = ("experiment=ci_tiny", f"lora.base_dir={base_dir}", "lora.max_steps=24", "lora.save_steps=4")
+    common = ("experiment=ci_tiny", f"lora.base_dir={base_dir}", "lora.max_steps=16", "lora.save_steps=4")
     (tmp_path / "artifacts").mkdir()
     for inputs in ("corpus", "synth"):  # the same corpus and r1 as tiny_run's (same fingerprints): reuse
         (tmp_path / "artifacts" / inputs).symlink_to(tiny_run / "artifacts" / inputs)

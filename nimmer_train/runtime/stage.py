@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -116,6 +117,7 @@ def speak_stage(cfg: Config, pipeline: str = "speak") -> list[Turn]:
 
 
 def _speak(cfg: Config) -> list[Turn]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     r = cfg.runtime
     releases, trusted = Path(r.releases_dir), Path(r.trusted_keys)
     model = LocalModel.open(releases, r.version, trusted)
