@@ -23,7 +23,7 @@ from nimmer_train.errors import ConfigError
 from nimmer_train.prompt_dsl import TurnPrompt, render_compact, render_projection
 from nimmer_train.registers import Register
 from nimmer_train.sampling import SamplingKnobs
-from nimmer_train.teacher.base import TeacherConfig
+from nimmer_train.teacher.base import TeacherConfig, TeacherReply
 from nimmer_train.teacher.http import post_with_retries
 
 RINGS = ("A", "B", "C")
@@ -168,10 +168,8 @@ class RingB:
                 "json_schema": {"name": "npc_turn", "schema": prompt.output_schema},
             }
 
-        def parse(data: dict[str, Any]) -> Any:
+        def parse(data: dict[str, Any]) -> TeacherReply:
             usage = data.get("usage") or {}
-            from nimmer_train.teacher.base import TeacherReply
-
             return TeacherReply(
                 data["choices"][0]["message"]["content"],
                 int(usage.get("prompt_tokens", 0)),
