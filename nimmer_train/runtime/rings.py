@@ -23,7 +23,8 @@ from nimmer_train.errors import ConfigError
 from nimmer_train.prompt_dsl import TurnPrompt, render_compact, render_projection
 from nimmer_train.registers import Register
 from nimmer_train.sampling import SamplingKnobs
-from nimmer_train.teacher.base import TeacherConfig, TeacherReply
+from nimmer_train.teacher.backends import chat_completion_reply, make_teacher
+from nimmer_train.teacher.base import TeacherConfig
 from nimmer_train.teacher.http import post_with_retries
 
 RINGS = ("A", "B", "C")
@@ -168,14 +169,6 @@ class RingB:
                 "json_schema": {"name": "npc_turn", "schema": prompt.output_schema},
             }
 
-        def parse(data: dict[str, Any]) -> TeacherReply:
-            usage = data.get("usage") or {}
-            return TeacherReply(
-                data["choices"][0]["message"]["content"],
-                int(usage.get("prompt_tokens", 0)),
-                int(usage.get("completion_tokens", 0)),
-            )
-
         started = time.perf_counter()
         reply = post_with_retries(
             self.client,
@@ -183,7 +176,7 @@ class RingB:
             body,
             {},
             self.cfg.teacher(knobs.max_new_tokens),
-            parse,
+            chat_completion_reply,
         )
         return RingReply(
             reply.content,
@@ -204,10 +197,8 @@ class RingC:
     constrained = False
 
     def __init__(self, cfg: RingConfig) -> None:
-        from nimmer_train.teacher.backends import make_teacher
-
         self.cfg, self.context_tokens, self.count = cfg, cfg.context_tokens, word_count
-        self._make = make_teacher
+        self._make = make_teacher  # one teacher backend per turn: its knobs set max_new_tokens
 
     def render(self, prompt: TurnPrompt, register: Register) -> list[dict[str, str]]:
         return render_projection(prompt, register)

@@ -31,6 +31,17 @@ def _api_key(cfg: TeacherConfig, required: bool) -> str | None:
     return key
 
 
+def chat_completion_reply(data: dict[str, Any], dropped: tuple[str, ...] = ()) -> TeacherReply:
+    """The text and token counts of an OpenAI Chat Completions response body."""
+    usage = data.get("usage") or {}
+    return TeacherReply(
+        data["choices"][0]["message"]["content"],
+        int(usage.get("prompt_tokens", 0)),
+        int(usage.get("completion_tokens", 0)),
+        dropped_knobs=dropped,
+    )
+
+
 class OpenAICompatible:
     """Chat Completions over HTTP: vLLM, llama.cpp server, Ollama, OpenRouter, Together, OpenAI."""
 
@@ -64,13 +75,7 @@ class OpenAICompatible:
             body["response_format"] = {"type": "json_object"}
 
         def parse(data: dict[str, Any]) -> TeacherReply:
-            usage = data.get("usage") or {}
-            return TeacherReply(
-                data["choices"][0]["message"]["content"],
-                int(usage.get("prompt_tokens", 0)),
-                int(usage.get("completion_tokens", 0)),
-                dropped_knobs=dropped,
-            )
+            return chat_completion_reply(data, dropped)
 
         return post_with_retries(self.client, self.url, body, self.headers, self.cfg, parse)
 
