@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from nimmer_train.base.modeling import build_model, count_parameters
+from nimmer_train.base.pretrain import batch_indices, make_optimizer, make_scheduler, train
 from nimmer_train.config import ModelConfig, TrainConfig
-from nimmer_train.modeling import build_model, count_parameters
-from nimmer_train.pretrain import batch_indices, make_optimizer, make_scheduler, train
 
 
 def bare_loop(model: torch.nn.Module, blocks: torch.Tensor, cfg: TrainConfig) -> None:

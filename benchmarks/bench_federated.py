@@ -21,13 +21,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from nimmer_train.embedding import SentenceEmbedder
+from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.federation import stage
 from nimmer_train.federation.app import client_app, server_app
 from nimmer_train.federation.client import Node
 from nimmer_train.federation.population import build_population
-from nimmer_train.federation.server import make_setup
-from nimmer_train.federation.settings import FederatedConfig
+from nimmer_train.federation.rounds import make_setup
+from nimmer_train.memory.embedding import SentenceEmbedder
 from tests.flower_deployment import tiny_release
 
 TIMINGS = "fit_seconds.jsonl"

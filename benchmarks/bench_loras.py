@@ -25,12 +25,12 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 from trl import SFTConfig, SFTTrainer
 
-from nimmer_train.composition import expand
+from nimmer_train.base.modeling import build_model
+from nimmer_train.base.tokenizer import train_bpe
 from nimmer_train.config import ModelConfig
-from nimmer_train.modeling import build_model
-from nimmer_train.prompt_dsl import render_compact
-from nimmer_train.registers import load_catalogue
-from nimmer_train.tokenizer import train_bpe
+from nimmer_train.voice.composition import expand
+from nimmer_train.voice.prompt_dsl import render_compact
+from nimmer_train.voice.registers import load_catalogue
 from tests.compose import composition
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from nimmer_train.embedding import SentenceEmbedder
+from nimmer_train.memory.embedding import SentenceEmbedder
 from nimmer_train.memory.entries import DATA_CATEGORIES, MEMORY_CLASSES
 from nimmer_train.memory.knowledge import Canon, add_canon, assemble, propagate, set_districts
-from nimmer_train.memory.store import Mode, PlayerMemory
+from nimmer_train.memory.player_memory import Mode, PlayerMemory
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:

@@ -24,17 +24,17 @@ from pathlib import Path
 
 import httpx
 
-from nimmer_train.adapters import METADATA
 from nimmer_train.artifacts import write_json_atomic, write_manifest
-from nimmer_train.prompt_dsl import TURN_SCHEMA, AffectState, MemoryScope, TurnPrompt, render_compact
+from nimmer_train.loras.adapters import METADATA
 from nimmer_train.publish.release import PublishRequest, publish_version
 from nimmer_train.publish.signing import generate_key
-from nimmer_train.registers import load_catalogue
-from nimmer_train.runtime.local import LocalModel
+from nimmer_train.runtime.local_model import LocalModel
 from nimmer_train.runtime.rings import RingA
 from nimmer_train.runtime.stage import _request, serve_process
 from nimmer_train.runtime.turn import NpcRuntime
-from nimmer_train.sampling import for_turn
+from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, AffectState, MemoryScope, TurnPrompt, render_compact
+from nimmer_train.voice.registers import load_catalogue
+from nimmer_train.voice.sampling import for_turn
 from tests.flower_deployment import tiny_release
 from tests.memory_helpers import HashEmbedder
 

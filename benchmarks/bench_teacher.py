@@ -15,10 +15,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from nimmer_train.composition import expand
-from nimmer_train.registers import load_catalogue
-from nimmer_train.teacher import TeacherConfig, make_teacher
-from nimmer_train.teacher.runner import run_requests
+from nimmer_train.config import TeacherConfig
+from nimmer_train.synth.teacher import make_teacher
+from nimmer_train.synth.teacher.runner import run_requests
+from nimmer_train.voice.composition import expand
+from nimmer_train.voice.registers import load_catalogue
 from tests.compose import composition
 from tests.llm_server import serve
 

@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 MANIFEST = "manifest.json"
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout: conf/, data_cards/, its git commit
 
 
 def sha256_file(path: Path, block: int = 1 << 20) -> str:
@@ -44,7 +45,7 @@ def source_fingerprint(*modules: ModuleType) -> str:
     return digest.hexdigest()
 
 
-def git_commit(cwd: Path | None = None) -> str:
+def git_commit(cwd: Path | None = REPO_ROOT) -> str:
     """The current commit, with ``-dirty`` when the work tree has changes; ``unknown`` outside git."""
     try:
         run = lambda *a: subprocess.run(  # noqa: E731

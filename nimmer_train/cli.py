@@ -27,7 +27,7 @@ def inspect_player(folder: Path) -> dict:
     companion. The clasp store is not inspected: nothing but in-between retrieval reads it."""
     from nimmer_train.memory.companion import COMPANION_FILE, open_companion
     from nimmer_train.memory.db import connect, integrity_ok
-    from nimmer_train.memory.store import PRIMARY_FILE
+    from nimmer_train.memory.player_memory import PRIMARY_FILE
     from nimmer_train.memory.sync import FALLBACK_FILE
 
     report: dict = {"player": folder.name}
@@ -169,8 +169,8 @@ def _versions(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from nimmer_train.runtime.local import LocalModel
-    from nimmer_train.runtime.server import create_app, model_ids
+    from nimmer_train.runtime.local_model import LocalModel
+    from nimmer_train.runtime.openai_server import create_app, model_ids
 
     trusted = args.trusted_keys or args.releases.parent / "keys" / "trusted"
     model = LocalModel.open(args.releases, args.version, trusted)
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(json.dumps(inspect_player(args.player_dir), indent=2))
     else:
-        from nimmer_train.embedding import SentenceEmbedder
+        from nimmer_train.memory.embedding import SentenceEmbedder
         from nimmer_train.memory.synthetic import generate_player
 
         print(

@@ -108,7 +108,7 @@ def log_config(cfg: Config, stage: str) -> None:
     params = flatten(dataclasses.asdict(cfg))
     mlflow.log_params({k: v[:6000] for k, v in params.items()})
     mlflow.log_text(config_yaml(cfg), "config.yaml")
-    commit = git_commit(Path(__file__).resolve().parent)
+    commit = git_commit()
     mlflow.set_tags(
         {
             "stage": stage,

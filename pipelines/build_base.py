@@ -6,9 +6,9 @@ from pipelines.entry import pipeline
 
 @pipeline
 def main(cfg: Config) -> None:
-    from nimmer_train.stages import (
-        build_base_stage,
-    )  # after the config check: a mistake fails before heavy imports
+    from nimmer_train.base.stage import (
+        build_base_stage,  # after the config check: a mistake fails before heavy imports
+    )
 
     build_base_stage(cfg)
 

@@ -1,7 +1,7 @@
 """Download the corpus's works and verify their checksums: ``python -m pipelines.fetch_corpus``."""
 
 from nimmer_train.config import Config
-from nimmer_train.fetch import fetch_corpus
+from nimmer_train.corpus.fetch import fetch_corpus
 from pipelines.entry import pipeline
 
 

@@ -6,10 +6,10 @@ from pipelines.entry import pipeline
 
 @pipeline
 def main(cfg: Config) -> None:
-    from nimmer_train.ingest import corpus_folder
+    from nimmer_train.corpus.ingest import corpus_folder
 
     corpus_folder(cfg.corpus)  # a missing corpus fails before the stage's heavy imports
-    from nimmer_train.stages import ingest_stage
+    from nimmer_train.corpus.stage import ingest_stage
 
     ingest_stage(cfg, pipeline="ingest")
 

@@ -9,20 +9,21 @@ from pipelines.entry import pipeline
 
 @pipeline
 def main(cfg: Config) -> None:
-    from nimmer_train.stages import run_all  # after the config check: a mistake fails before heavy imports
+    from nimmer_train.run_all import run_all  # after the config check: a mistake fails before heavy imports
 
-    corpus, synth, base, loras, federation, versions = run_all(cfg)
+    result = run_all(cfg)
+    versions = result.publish.versions if result.publish else []
     print("\nProduced:")
-    print(f"  corpus dataset + data card  {corpus.path}")
-    print(f"  synthetic r0/r1 + data card {synth.path}")
-    print(f"  base model (HF folder)      {base.path}")
-    print(f"  register LoRAs (PEFT)       {loras.root}")
-    if federation:
-        print(f"  federated adapter (PEFT)    {federation.adapter}")
+    print(f"  corpus dataset + data card  {result.corpus.path}")
+    print(f"  synthetic r0/r1 + data card {result.synth.path}")
+    print(f"  base model (HF folder)      {result.base.path}")
+    print(f"  register LoRAs (PEFT)       {result.loras.root}")
+    if result.federation:
+        print(f"  federated adapter (PEFT)    {result.federation.adapter}")
     for version in versions:
         print(f"  {version.label:<27} {version.folder}")
-    if loras.evaluation:
-        ev = loras.evaluation
+    if result.loras.evaluation:
+        ev = result.loras.evaluation
         print(f"  register separability {ev.separability:.2f}, mean held-out loss gain {ev.mean_gain:.3f}")
     if versions:
         from nimmer_train.cli import print_versions

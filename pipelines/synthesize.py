@@ -6,9 +6,9 @@ from pipelines.entry import pipeline
 
 @pipeline
 def main(cfg: Config) -> None:
-    from nimmer_train.stages import (
-        synthesize_stage,
-    )  # after the config check: a mistake fails before heavy imports
+    from nimmer_train.synth.stage import (
+        synthesize_stage,  # after the config check: a mistake fails before heavy imports
+    )
 
     synthesize_stage(cfg)
 

@@ -7,7 +7,7 @@ from pipelines.entry import pipeline
 
 @pipeline
 def main(cfg: Config) -> None:
-    from nimmer_train.lora_stage import (
+    from nimmer_train.loras.stage import (
         train_loras_stage,
     )  # after the config check: a mistake fails before heavy imports
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hydra import compose, initialize_config_dir
 
-from nimmer_train.composition import CompositionConfig
 from nimmer_train.config import Config
+from nimmer_train.voice.composition import CompositionConfig
 from pipelines.entry import CONF_DIR, _to_config
 
 

@@ -271,13 +271,13 @@ def tiny_release(folder: Path) -> tuple[Path, Path, int]:
     (base dir, adapter dir, base parameter count)."""
     from peft import LoraConfig, get_peft_model
 
-    from nimmer_train.adapters import METADATA, base_identity
     from nimmer_train.artifacts import write_json_atomic, write_manifest
+    from nimmer_train.base.modeling import build_model, count_parameters
+    from nimmer_train.base.tokenizer import train_bpe
     from nimmer_train.config import ModelConfig
     from nimmer_train.federation.client import example_text
+    from nimmer_train.loras.adapters import METADATA, base_identity
     from nimmer_train.memory.synthetic import heldout_examples
-    from nimmer_train.modeling import build_model, count_parameters
-    from nimmer_train.tokenizer import train_bpe
 
     tokenizer = train_bpe([example_text(e) for e in heldout_examples(2000, seed=1)], 512, 256)
     model = build_model(

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.consent import ConsentRecord, a2_upload, contributor_id, sent_uploads, set_consent
-from nimmer_train.memory.store import PlayerMemory
+from nimmer_train.memory.player_memory import PlayerMemory
 from nimmer_train.privacy.a2_pool import A2Pool, PoolTooSmall
 from nimmer_train.privacy.anonymize import anonymize, scrub
 from tests.memory_helpers import Clock, HashEmbedder

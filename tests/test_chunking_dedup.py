@@ -1,7 +1,7 @@
 """Chunking, contiguous splits and duplicate detection."""
 
-from nimmer_train.chunking import chunk_paragraphs, contiguous_validation
-from nimmer_train.dedup import find_duplicates
+from nimmer_train.corpus.chunking import chunk_paragraphs, contiguous_validation
+from nimmer_train.corpus.dedup import find_duplicates
 
 
 def test_chunks_respect_paragraphs_and_size() -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from nimmer_train.cleaning import UnusableFile, clean, decode, paragraphs, strip_gutenberg
+from nimmer_train.corpus.cleaning import UnusableFile, clean, decode, paragraphs, strip_gutenberg
 
 HEADER_OLD = "The Project Gutenberg EBook of X\r\n\r\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\r\n"
 FOOTER_OLD = (

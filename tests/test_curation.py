@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from nimmer_train.composition import expand
 from nimmer_train.config import CurationConfig
-from nimmer_train.curation import RegisterClassifier, curate, detected_language
-from nimmer_train.registers import load_catalogue
+from nimmer_train.synth.curation import RegisterClassifier, curate, detected_language
+from nimmer_train.voice.composition import expand
+from nimmer_train.voice.registers import load_catalogue
 from tests.compose import composition
 from tests.conftest import REPO
 

@@ -11,8 +11,8 @@ from opacus.accountants import RDPAccountant
 from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader, TensorDataset
 
+from nimmer_train.base.modeling import build_model
 from nimmer_train.config import ModelConfig
-from nimmer_train.modeling import build_model
 from nimmer_train.privacy.dp_sgd import DPSettings, lm_loss, lora_changed, lora_snapshot, make_private
 
 

@@ -13,11 +13,11 @@ import pytest
 import yaml
 from opacus.accountants import RDPAccountant
 
-from nimmer_train.adapters import load_adapter, read_metadata
 from nimmer_train.artifacts import verify_manifest
+from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.federation.client import DEVICE_ACCOUNTANT, device_examples
-from nimmer_train.federation.settings import FederatedConfig
 from nimmer_train.federation.wire import AdapterSpec, check_update
+from nimmer_train.loras.adapters import load_adapter, read_metadata
 from nimmer_train.memory.consent import PROFILE_FILE
 from tests.conftest import REPO, kill_when, run_pipeline
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
-from nimmer_train.adapters import read_metadata
+from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.federation.population import build_population, deliver_uploads
-from nimmer_train.federation.settings import FederatedConfig
+from nimmer_train.loras.adapters import read_metadata
 from nimmer_train.memory.consent import PROFILE_FILE
 from tests.flower_deployment import Background, deployment, tiny_release
 from tests.memory_helpers import HashEmbedder

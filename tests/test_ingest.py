@@ -12,8 +12,8 @@ import yaml
 from datasets import load_from_disk
 
 from nimmer_train.config import CorpusConfig, WorkConfig
+from nimmer_train.corpus.ingest import ingest
 from nimmer_train.errors import NimmerError
-from nimmer_train.ingest import ingest
 from tests.conftest import REPO
 
 LICENCE_PHRASES = (

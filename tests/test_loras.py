@@ -13,10 +13,10 @@ from mlflow.tracking import MlflowClient
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from nimmer_train.adapters import METADATA, base_identity, check_binding, load_all
 from nimmer_train.artifacts import write_manifest
 from nimmer_train.errors import NimmerError
-from nimmer_train.train_loras import latest_complete_checkpoint
+from nimmer_train.loras.adapters import METADATA, base_identity, check_binding, load_all
+from nimmer_train.loras.train import latest_complete_checkpoint
 from tests.conftest import kill_when, run_pipeline
 
 pytestmark = pytest.mark.slow

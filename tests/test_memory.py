@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nimmer_train.embedding import SentenceEmbedder
 from nimmer_train.memory.consent import TIERS, ConsentRecord, set_consent, training_examples
+from nimmer_train.memory.embedding import SentenceEmbedder
 from nimmer_train.memory.entries import DATA_CATEGORIES, MEMORY_CLASSES, InvalidEntry
-from nimmer_train.memory.store import Mode, PlayerMemory
+from nimmer_train.memory.player_memory import Mode, PlayerMemory
 from tests.conftest import REPO
 from tests.memory_helpers import Clock, HashEmbedder
 
@@ -92,7 +92,10 @@ def test_bad_fields_are_rejected(tmp_path: Path) -> None:
 
 
 def test_only_the_clasp_module_opens_the_clasp_store() -> None:
-    allowed = {"nimmer_train/memory/clasp.py": "defines", "nimmer_train/memory/store.py": "in-between path"}
+    allowed = {
+        "nimmer_train/memory/clasp.py": "defines",
+        "nimmer_train/memory/player_memory.py": "in-between path",
+    }
     pattern = re.compile(r"clasp\.sqlite|CLASP_FILE|open_clasp")
     offenders = []
     for folder in ("nimmer_train", "pipelines", "federated", "benchmarks"):
@@ -101,7 +104,7 @@ def test_only_the_clasp_module_opens_the_clasp_store() -> None:
             if pattern.search(path.read_text()) and rel not in allowed:
                 offenders.append(rel)
     assert offenders == []
-    store = (REPO / "nimmer_train/memory/store.py").read_text()
+    store = (REPO / "nimmer_train/memory/player_memory.py").read_text()
     assert store.count("open_clasp(") == 1  # the one lazy opener behind Mode.IN_BETWEEN
 
 
@@ -213,7 +216,7 @@ def test_retrieval_reads_clasp_only_in_between(tmp_path_factory, rows, query) ->
 WRITER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from nimmer_train.memory.store import PlayerMemory
+    from nimmer_train.memory.player_memory import PlayerMemory
     from tests.memory_helpers import HashEmbedder
     memory = PlayerMemory(Path(sys.argv[1]), HashEmbedder())
     i = 0

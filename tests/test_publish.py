@@ -18,9 +18,9 @@ import yaml
 from mlflow import MlflowClient
 
 from nimmer_train import cli
-from nimmer_train.adapters import METADATA
 from nimmer_train.artifacts import write_json_atomic, write_manifest
 from nimmer_train.errors import NimmerError
+from nimmer_train.loras.adapters import METADATA
 from nimmer_train.publish.manifest import SIGNATURE, IntegrityError, manifest_bytes
 from nimmer_train.publish.registry import Registry
 from nimmer_train.publish.release import DRILL, PublishRequest, publish_version

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nimmer_train.composition import expand
 from nimmer_train.errors import NimmerError
-from nimmer_train.prompt_dsl import (
+from nimmer_train.voice.composition import expand
+from nimmer_train.voice.prompt_dsl import (
     TURN_SCHEMA,
     AffectState,
     MemoryScope,
@@ -23,9 +23,9 @@ from nimmer_train.prompt_dsl import (
     render_projection,
     validate_reply,
 )
-from nimmer_train.registers import load_catalogue
-from nimmer_train.sampling import baseline
-from nimmer_train.traits import TRAIT_AXES
+from nimmer_train.voice.registers import load_catalogue
+from nimmer_train.voice.sampling import baseline
+from nimmer_train.voice.traits import TRAIT_AXES
 from pipelines.entry import precheck
 from tests.compose import composition
 

@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 from jsonschema import validate
 
 from nimmer_train.errors import ConfigError
-from nimmer_train.prompt_dsl import TURN_SCHEMA, render_compact
-from nimmer_train.registers import load_catalogue
-from nimmer_train.runtime.local import LocalModel
+from nimmer_train.runtime.local_model import LocalModel
+from nimmer_train.runtime.openai_server import create_app
 from nimmer_train.runtime.rings import RingA, RingB, RingC, RingConfig, RingReply, player_rings, word_count
 from nimmer_train.runtime.selection import RegisterSelector, SelectionConfig, cosine, vector
-from nimmer_train.runtime.server import create_app
 from nimmer_train.runtime.structured import bounded
 from nimmer_train.runtime.turn import NpcRuntime, TurnError, TurnRequest
-from nimmer_train.sampling import SamplingKnobs, baseline, for_turn
+from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, render_compact
+from nimmer_train.voice.registers import load_catalogue
+from nimmer_train.voice.sampling import SamplingKnobs, baseline, for_turn
 from tests.llm_server import serve
 from tests.loopback import serve_app
 
@@ -171,7 +171,7 @@ def test_ring_c_openai_and_anthropic_with_faults(monkeypatch: pytest.MonkeyPatch
 
 
 def test_memory_write_back_goes_where_the_mode_allows(tmp_path: Path) -> None:
-    from nimmer_train.memory.store import Mode
+    from nimmer_train.memory.player_memory import Mode
     from nimmer_train.memory.sync import open_player
     from tests.memory_helpers import HashEmbedder
 

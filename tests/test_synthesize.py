@@ -10,8 +10,8 @@ import pytest
 from datasets import load_from_disk
 from mlflow.tracking import MlflowClient
 
-from nimmer_train.composition import expand
-from nimmer_train.registers import load_catalogue
+from nimmer_train.voice.composition import expand
+from nimmer_train.voice.registers import load_catalogue
 from tests.compose import composition
 from tests.conftest import REPO, kill_when, run_pipeline
 from tests.llm_server import serve

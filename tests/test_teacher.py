@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from nimmer_train.composition import expand
-from nimmer_train.registers import load_catalogue
-from nimmer_train.teacher import ResponseCache, TeacherConfig, TeacherFatalError, make_teacher, run_requests
+from nimmer_train.config import TeacherConfig
+from nimmer_train.synth.teacher import ResponseCache, TeacherFatalError, make_teacher, run_requests
+from nimmer_train.voice.composition import expand
+from nimmer_train.voice.registers import load_catalogue
 from tests.compose import composition
 from tests.llm_server import serve
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from nimmer_train.artifacts import atomic_dir
+from nimmer_train.base.pretrain import batch_indices, lr_factor, pack_blocks
+from nimmer_train.base.tokenizer import IM_END, train_bpe
 from nimmer_train.config import TrainConfig
-from nimmer_train.pretrain import batch_indices, lr_factor, pack_blocks
-from nimmer_train.tokenizer import IM_END, train_bpe
 
 TEXTS = ["Françoise brought the madeleine. " * 20, "Socrates asked what justice is. " * 20] * 10
 

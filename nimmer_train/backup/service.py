@@ -14,7 +14,7 @@ import httpx
 from fastapi import FastAPI, HTTPException, Request, Response
 
 from nimmer_train.backup.sealing import BackupError, Sealed
-from nimmer_train.backup.store import BackupStore, LocalBlobs
+from nimmer_train.backup.storage import BackupStore, LocalBlobs
 
 
 def create_app(store: BackupStore) -> FastAPI:

@@ -17,12 +17,12 @@ from flwr.client.mod import secaggplus_mod
 from flwr.server import ServerApp
 from flwr.serverapp.grid import Grid
 
+from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.federation.client import Contributor, Node
 from nimmer_train.federation.mods import clip_mod, drill_mod, equal_weight_mod, validate_mod
-from nimmer_train.federation.settings import FederatedConfig
 
 if TYPE_CHECKING:  # the server side needs torch; a SuperNode's per-message processes should not
-    from nimmer_train.federation.server import Report, ServerSetup, ServerState
+    from nimmer_train.federation.rounds import Report, ServerSetup, ServerState
 
 NodeOf = Callable[[Context], Node]
 
@@ -70,7 +70,7 @@ def server_app(
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        from nimmer_train.federation.server import serve
+        from nimmer_train.federation.rounds import serve
 
         settings = settings_of(context)
         setup = setup_of(context, settings)

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 from flwr.client import NumPyClient
 
-from nimmer_train.embedding import NoEmbedder
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.consent import contributor_id, get_consent, read_profile, training_examples
-from nimmer_train.memory.store import PlayerMemory
+from nimmer_train.memory.embedding import NoEmbedder
+from nimmer_train.memory.player_memory import PlayerMemory
 from nimmer_train.privacy.a2_pool import A2Pool, PoolTooSmall
 
 log = logging.getLogger(__name__)
@@ -97,12 +97,15 @@ class Contributor(NumPyClient):
         self.crash_rounds = crash_rounds  # simulation drills: rounds in which this node fails
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
-        from nimmer_train.federation.local import LocalSettings, train_locally  # torch: only to train
+        from nimmer_train.federation.local_training import (  # torch: only to train
+            LocalTrainingConfig,
+            train_locally,
+        )
 
         server_round = int(config["round"])
         if server_round in self.crash_rounds:
             raise RuntimeError(f"drill: this node fails in round {server_round}")
-        settings = LocalSettings(
+        settings = LocalTrainingConfig(
             local_steps=int(config["local-steps"]),
             batch_size=int(config["batch-size"]),
             lr=float(config["lr"]),

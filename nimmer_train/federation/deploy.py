@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from flwr.app import Context
 
+from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.errors import NimmerError
-from nimmer_train.federation.settings import FederatedConfig
 
 if TYPE_CHECKING:
-    from nimmer_train.federation.server import Report, ServerSetup, ServerState
+    from nimmer_train.federation.rounds import Report, ServerSetup, ServerState
 
 
 def _place(context: Context, key: str, required: bool = True) -> Path | None:
@@ -41,7 +41,7 @@ def settings_of(context: Context) -> FederatedConfig:
 
 
 def setup_of(context: Context, settings: FederatedConfig) -> ServerSetup:
-    from nimmer_train.federation.server import make_setup
+    from nimmer_train.federation.rounds import make_setup
 
     base, work = _place(context, "base-dir"), _place(context, "work-dir")
     assert base is not None and work is not None and settings.adapter_dir

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from nimmer_train.artifacts import write_json_atomic
-from nimmer_train.embedding import Embedder, NoEmbedder
-from nimmer_train.federation.settings import FederatedConfig
+from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.memory.consent import a2_upload, read_profile, sent_uploads
-from nimmer_train.memory.store import PlayerMemory
+from nimmer_train.memory.embedding import Embedder, NoEmbedder
+from nimmer_train.memory.player_memory import PlayerMemory
 from nimmer_train.memory.synthetic import generate_player
 from nimmer_train.privacy.a2_pool import A2Pool
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nimmer_train.adapters import METADATA, read_metadata
 from nimmer_train.artifacts import atomic_dir, write_json_atomic, write_manifest
-from nimmer_train.federation.server import ServerState
-from nimmer_train.federation.settings import FederatedConfig
+from nimmer_train.config.federated import FederatedConfig
+from nimmer_train.federation.rounds import ServerState
+from nimmer_train.loras.adapters import METADATA, read_metadata
 from nimmer_train.memory.consent import NEVER_SHARED
 from nimmer_train.memory.entries import DATA_CATEGORIES
 

@@ -22,16 +22,16 @@ from typing import Any
 import mlflow
 
 from nimmer_train import tracking
-from nimmer_train.adapters import read_metadata
 from nimmer_train.artifacts import fingerprint, intact_manifest, read_manifest, source_fingerprint
 from nimmer_train.config import Config
 from nimmer_train.errors import NimmerError
-from nimmer_train.federation import client, local, mods, results, server, wire
+from nimmer_train.federation import client, local_training, mods, results, rounds, wire
 from nimmer_train.federation.app import client_app, server_app
 from nimmer_train.federation.client import Node
 from nimmer_train.federation.population import build_population, deliver_uploads
-from nimmer_train.federation.server import ServerSetup, ServerState
-from nimmer_train.lora_stage import LoraResult
+from nimmer_train.federation.rounds import ServerSetup, ServerState
+from nimmer_train.loras.adapters import read_metadata
+from nimmer_train.loras.stage import LoraResult
 from nimmer_train.privacy.a2_pool import pool_summary
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,9 @@ def plan_federation(cfg: Config, loras: LoraResult | None = None) -> FederationP
     fp = fingerprint(
         {
             "version": FED_VERSION,
-            "code": source_fingerprint(client, local, mods, results, server, wire, sys.modules[__name__]),
+            "code": source_fingerprint(
+                client, local_training, mods, results, rounds, wire, sys.modules[__name__]
+            ),
             "adapter": read_manifest(adapter_dir)["fingerprint"],
             "settings": settings,
         }
@@ -136,7 +138,7 @@ def federate_stage(
         print(f"federated adapter: {out} (up to date)")
         meta = read_metadata(out)
         return FederationResult(out, meta, _records(out), folder)
-    from nimmer_train.embedding import SentenceEmbedder
+    from nimmer_train.memory.embedding import SentenceEmbedder
 
     population = build_population(folder / "devices", s, SentenceEmbedder())
     pool = folder / "server" / "a2_pool.sqlite"
@@ -164,7 +166,7 @@ def federate_stage(
             logger(values, int(record["round"]))
 
         def setup_of(_: Any, settings_: Any) -> ServerSetup:
-            return server.make_setup(base_dir, adapter_dir, work, s, pool)
+            return rounds.make_setup(base_dir, adapter_dir, work, s, pool)
 
         def done(_: Any, settings_: Any, setup: ServerSetup, state: ServerState) -> None:
             published.update(

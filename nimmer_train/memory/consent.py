@@ -18,7 +18,7 @@ from pathlib import Path
 from nimmer_train.artifacts import write_json_atomic
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.entries import DATA_CATEGORIES
-from nimmer_train.memory.store import PlayerMemory
+from nimmer_train.memory.player_memory import PlayerMemory
 from nimmer_train.privacy.anonymize import Upload, anonymize
 
 TIERS = ("opt_out", "A1_federated", "A2_anonymized", "A3_pseudonymous_full")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nimmer_train.errors import NimmerError
-from nimmer_train.traits import check_vector
+from nimmer_train.voice.traits import check_vector
 
 MEMORY_CLASSES = ("cornerstone", "birthright", "working", "volatile")
 SEMANTIC_TYPES = (

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from nimmer_train.errors import NimmerError
-from nimmer_train.memory.store import Mode, PlayerMemory
-from nimmer_train.prompt_dsl import MemoryScope
+from nimmer_train.memory.player_memory import Mode, PlayerMemory
+from nimmer_train.voice.prompt_dsl import MemoryScope
 
 PRIORITY_ORDER = {"urgent": 0, "normal": 1, "background": 2}
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nimmer_train.memory.entries import MemoryEntry
-from nimmer_train.memory.store import PlayerMemory
+from nimmer_train.memory.player_memory import PlayerMemory
 
 
 @dataclass(frozen=True)

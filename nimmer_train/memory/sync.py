@@ -21,9 +21,9 @@ from pathlib import Path
 
 import apsw
 
-from nimmer_train.embedding import Embedder
 from nimmer_train.memory.db import connect, integrity_ok
-from nimmer_train.memory.store import PRIMARY_FILE, Clock, PlayerMemory
+from nimmer_train.memory.embedding import Embedder
+from nimmer_train.memory.player_memory import PRIMARY_FILE, Clock, PlayerMemory
 
 FALLBACK_FILE = "fallback.sqlite"
 SNAPSHOT_META = (

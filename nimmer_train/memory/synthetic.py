@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from nimmer_train.embedding import Embedder
 from nimmer_train.memory.companion import GOODS_TYPES, open_companion, record_session
 from nimmer_train.memory.consent import PLAYER, ConsentRecord, set_consent, write_profile
+from nimmer_train.memory.embedding import Embedder
 from nimmer_train.memory.entries import DATA_CATEGORIES, SEMANTIC_TYPES
 from nimmer_train.memory.knowledge import Canon, add_canon, set_districts
-from nimmer_train.memory.store import Mode, PlayerMemory
-from nimmer_train.traits import TRAIT_AXES
+from nimmer_train.memory.player_memory import Mode, PlayerMemory
+from nimmer_train.voice.traits import TRAIT_AXES
 
 NPCS = ("npc:preacher-oran", "npc:scavenger-marra", "npc:chorus-leader", "npc:warden-tess", "npc:ferry-ilse")
 PLACES = (

@@ -24,7 +24,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from nimmer_train.adapters import WEIGHTS, base_identity, read_metadata
 from nimmer_train.artifacts import (
     MANIFEST,
     atomic_dir,
@@ -34,6 +33,7 @@ from nimmer_train.artifacts import (
     sha256_file,
 )
 from nimmer_train.errors import NimmerError
+from nimmer_train.loras.adapters import WEIGHTS, base_identity, read_metadata
 from nimmer_train.publish import card
 from nimmer_train.publish.manifest import FORMAT, SIGNATURE, manifest_bytes, release_files
 from nimmer_train.publish.registry import Registry, Version, label_of

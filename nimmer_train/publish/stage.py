@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,10 +23,9 @@ from nimmer_train.publish.signing import generate_key
 
 if TYPE_CHECKING:
     from nimmer_train.federation.stage import FederationResult
-    from nimmer_train.lora_stage import LoraResult
+    from nimmer_train.loras.stage import LoraResult
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _base_dir(cfg: Config, base_dir: Path | None) -> Path:
@@ -33,8 +33,8 @@ def _base_dir(cfg: Config, base_dir: Path | None) -> Path:
         return Path(cfg.publish.base_dir)
     if base_dir is not None:
         return base_dir
-    from nimmer_train.build_base import plan
-    from nimmer_train.ingest import ingest
+    from nimmer_train.base.build import plan
+    from nimmer_train.corpus.ingest import ingest
 
     found = plan(cfg, ingest(cfg.corpus, cfg.paths.artifacts_dir())).out
     if intact_manifest(found) is None:
@@ -79,13 +79,22 @@ def _merge(cfg: Config, loras: LoraResult | None, federation: FederationResult |
     return plan.out, plan.state_file
 
 
+@dataclass
+class PublishResult:
+    """The versions this stage published or found already published, oldest first."""
+
+    versions: list[Version]
+
+
 def publish_stage(
     cfg: Config,
     base_dir: Path | None = None,
     loras: LoraResult | None = None,
     federation: FederationResult | None = None,
     pipeline: str = "publish",
-) -> list[Version]:
+) -> PublishResult:
+    """Publish the built base (and, after a federation, the base with its adapter merged in) as
+    signed versions in the registry, synced to the MLflow Model Registry."""
     p = cfg.publish
     releases = Path(p.releases_dir).resolve()
     key = Path(p.signing_key)
@@ -95,7 +104,7 @@ def publish_stage(
     base = _base_dir(cfg, base_dir)
     adapters = _loras(cfg, base, loras)
     merge, state = _merge(cfg, loras, federation)
-    recipe = {"git_commit": git_commit(REPO), "config": json.loads(json.dumps(dataclasses.asdict(cfg)))}
+    recipe = {"git_commit": git_commit(), "config": json.loads(json.dumps(dataclasses.asdict(cfg)))}
     common = {"loras": adapters, "recipe": recipe, "license": p.license, "blob_base_url": p.blob_base_url}
     requests = [PublishRequest(base, **common)]
     if merge is not None:
@@ -127,4 +136,4 @@ def publish_stage(
                 }
             )
             mlflow.set_tags({v.label: f"{mlflow_registry.BASE_MODEL}/{numbers[v.label]}" for v in published})
-    return published
+    return PublishResult(published)

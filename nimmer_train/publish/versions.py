@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nimmer_train.adapters import read_metadata
 from nimmer_train.artifacts import MANIFEST, read_manifest
 from nimmer_train.errors import NimmerError
+from nimmer_train.loras.adapters import read_metadata
 from nimmer_train.publish.manifest import IntegrityError, check_files, verify_folder
 from nimmer_train.publish.registry import Registry, Version
 from nimmer_train.publish.signing import Keyring

@@ -18,14 +18,14 @@ from typing import Any, Protocol
 
 import httpx
 
-from nimmer_train.composition import GenerationRequest
+from nimmer_train.config import TeacherConfig
 from nimmer_train.errors import ConfigError
-from nimmer_train.prompt_dsl import TurnPrompt, render_compact, render_projection
-from nimmer_train.registers import Register
-from nimmer_train.sampling import SamplingKnobs
-from nimmer_train.teacher.backends import chat_completion_reply, make_teacher
-from nimmer_train.teacher.base import TeacherConfig
-from nimmer_train.teacher.http import post_with_retries
+from nimmer_train.synth.teacher.backends import chat_completion_reply, make_teacher
+from nimmer_train.synth.teacher.http import post_with_retries
+from nimmer_train.voice.composition import GenerationRequest
+from nimmer_train.voice.prompt_dsl import TurnPrompt, render_compact, render_projection
+from nimmer_train.voice.registers import Register
+from nimmer_train.voice.sampling import SamplingKnobs
 
 RINGS = ("A", "B", "C")
 PROVIDERS = ("openai_compatible", "anthropic")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from nimmer_train.traits import TRAIT_AXES, check_vector
+from nimmer_train.voice.traits import TRAIT_AXES, check_vector
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -22,11 +22,11 @@ from nimmer_train import tracking
 from nimmer_train.artifacts import write_json_atomic
 from nimmer_train.config import Config
 from nimmer_train.errors import NimmerError
-from nimmer_train.prompt_dsl import AffectState
-from nimmer_train.runtime.local import LocalModel
+from nimmer_train.runtime.local_model import LocalModel
 from nimmer_train.runtime.rings import RingA, RingB, RingConfig
 from nimmer_train.runtime.selection import SelectionConfig
 from nimmer_train.runtime.turn import NpcRuntime, Turn, TurnRequest
+from nimmer_train.voice.prompt_dsl import AffectState
 
 TURNS_FILE = "turns.json"
 
@@ -90,10 +90,19 @@ def _request(register: str, traits: dict[str, float], tier: str) -> TurnRequest:
     )
 
 
-def speak_stage(cfg: Config, pipeline: str = "speak") -> list[Turn]:
+@dataclass
+class SpeakResult:
+    """The turns spoken (one per register and tier) and where they were written."""
+
+    turns: list[Turn]
+    path: Path
+
+
+def speak_stage(cfg: Config, pipeline: str = "speak") -> SpeakResult:
     """Speak the demo turns inside an MLflow run (turns table and timings logged)."""
+    path = Path(cfg.paths.workdir).resolve() / "runtime" / TURNS_FILE
     with tracking.stage_run(cfg, pipeline, "speak") as run_id:
-        turns = _speak(cfg)
+        turns = _speak(cfg, path)
         if run_id:
             import mlflow
 
@@ -113,16 +122,16 @@ def speak_stage(cfg: Config, pipeline: str = "speak") -> list[Turn]:
             mlflow.log_metrics(
                 {"turns": len(turns), "mean_turn_seconds": sum(t.seconds for t in turns) / len(turns)}
             )
-    return turns
+    return SpeakResult(turns, path)
 
 
-def _speak(cfg: Config) -> list[Turn]:
+def _speak(cfg: Config, path: Path) -> list[Turn]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     r = cfg.runtime
     releases, trusted = Path(r.releases_dir), Path(r.trusted_keys)
     model = LocalModel.open(releases, r.version, trusted)
     registers = [*model.registers, *([model.merged_register] if model.merged_register else [])]
-    from nimmer_train.embedding import SentenceEmbedder
+    from nimmer_train.memory.embedding import SentenceEmbedder
     from nimmer_train.memory.sync import open_player
 
     memory, _ = open_player(Path(r.player_dir), SentenceEmbedder())
@@ -145,7 +154,7 @@ def _speak(cfg: Config) -> list[Turn]:
                     turns.append(turn)
     finally:
         memory.close()
-    write_json_atomic(Path(cfg.paths.workdir).resolve() / "runtime" / TURNS_FILE, [asdict(t) for t in turns])
+    write_json_atomic(path, [asdict(t) for t in turns])
     print(f"\nOne turn per register on {model.label} (ring A: in-process; ring B: nimmer serve at {url}):")
     for t in turns:
         k = t.knobs

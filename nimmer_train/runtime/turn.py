@@ -9,9 +9,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nimmer_train import sampling
 from nimmer_train.errors import NimmerError
-from nimmer_train.prompt_dsl import (
+from nimmer_train.runtime.rings import Ring, RingReply
+from nimmer_train.runtime.selection import RegisterSelector, SelectionConfig
+from nimmer_train.voice import sampling
+from nimmer_train.voice.prompt_dsl import (
     TURN_SCHEMA,
     AffectState,
     MemoryScope,
@@ -19,9 +21,7 @@ from nimmer_train.prompt_dsl import (
     TurnPrompt,
     validate_reply,
 )
-from nimmer_train.registers import RegistersConfig
-from nimmer_train.runtime.rings import Ring, RingReply
-from nimmer_train.runtime.selection import RegisterSelector, SelectionConfig
+from nimmer_train.voice.registers import RegistersConfig
 
 CONTEXT_SLACK = 24  # chat-template tokens and JSON quoting around the memory items
 
@@ -111,7 +111,7 @@ class NpcRuntime:
         return assemble(self.memory, req.district, req.player_utterance, mode, budgets, count=ring.count)
 
     def speak(self, req: TurnRequest, mode: Any = None) -> Turn:
-        from nimmer_train.memory.store import Mode
+        from nimmer_train.memory.player_memory import Mode
 
         mode = mode or Mode.REALWORLD
         if req.tier not in self.rings:

@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 
-from nimmer_train.teacher.base import TeacherConfig, TeacherFatalError, TeacherReply
+from nimmer_train.config import TeacherConfig
+from nimmer_train.synth.teacher.base import TeacherFatalError, TeacherReply
 
 RETRYABLE = {408, 409, 425, 429, 500, 502, 503, 504, 529}
 FATAL_HINT = {

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from nimmer_train.artifacts import fingerprint
-from nimmer_train.teacher.base import TeacherReply
+from nimmer_train.synth.teacher.base import TeacherReply
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (

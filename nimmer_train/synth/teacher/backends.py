@@ -9,10 +9,11 @@ from typing import Any
 
 import httpx
 
-from nimmer_train.composition import GenerationRequest
+from nimmer_train.config import TeacherConfig
 from nimmer_train.errors import NimmerError
-from nimmer_train.teacher.base import Teacher, TeacherConfig, TeacherFatalError, TeacherReply
-from nimmer_train.teacher.http import post_with_retries
+from nimmer_train.synth.teacher.base import Teacher, TeacherFatalError, TeacherReply
+from nimmer_train.synth.teacher.http import post_with_retries
+from nimmer_train.voice.composition import GenerationRequest
 
 EXTRA_KNOBS = ("top_k", "repetition_penalty", "min_p")
 TURN_TOOL = "npc_turn"

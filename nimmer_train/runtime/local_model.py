@@ -24,7 +24,7 @@ from nimmer_train.errors import NimmerError
 from nimmer_train.publish.signing import Keyring
 from nimmer_train.publish.versions import VerifiedVersion, load_model, open_version
 from nimmer_train.runtime.structured import SchemaMask, bounded
-from nimmer_train.sampling import SamplingKnobs
+from nimmer_train.voice.sampling import SamplingKnobs
 
 
 @dataclass(frozen=True)

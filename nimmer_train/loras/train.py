@@ -25,7 +25,6 @@ from datasets import Dataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from nimmer_train.adapters import METADATA, load_all
 from nimmer_train.artifacts import (
     atomic_dir,
     fingerprint,
@@ -33,10 +32,11 @@ from nimmer_train.artifacts import (
     write_json_atomic,
     write_manifest,
 )
-from nimmer_train.config import LoraSettings
+from nimmer_train.config import LoraConfig
 from nimmer_train.errors import NimmerError
-from nimmer_train.registers import Register, RegistersConfig
-from nimmer_train.sampling import baseline
+from nimmer_train.loras.adapters import METADATA, load_all
+from nimmer_train.voice.registers import Register, RegistersConfig
+from nimmer_train.voice.sampling import baseline
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ MetricLogger = Callable[[dict[str, float], int], None]
 LORA_VERSION = 1
 
 
-def check_hardware(settings: LoraSettings) -> None:
+def check_hardware(settings: LoraConfig) -> None:
     """Fail up front when the chosen recipe cannot run here (QLoRA without CUDA/bitsandbytes)."""
     if not settings.quantize_4bit:
         return
@@ -68,9 +68,7 @@ class RegisterData:
     literary_examples: int
 
 
-def register_data(
-    name: str, register: Register, r1: Any, corpus: Any, settings: LoraSettings
-) -> RegisterData:
+def register_data(name: str, register: Register, r1: Any, corpus: Any, settings: LoraConfig) -> RegisterData:
     """The register's r1 conversations plus literary passages from its affinities (train), and
     its r1 validation conversations (held out)."""
     train = [row["messages"] for row in r1["train"] if row["register"] == name]
@@ -94,7 +92,7 @@ def register_data(
 
 
 def adapter_fingerprint(
-    name: str, register: Register, base: dict[str, str], dataset_fps: dict[str, str], settings: LoraSettings
+    name: str, register: Register, base: dict[str, str], dataset_fps: dict[str, str], settings: LoraConfig
 ) -> str:
     settings_dict = {
         k: v
@@ -134,7 +132,7 @@ def train_adapter(
     name: str,
     data: RegisterData,
     base_dir: Path,
-    settings: LoraSettings,
+    settings: LoraConfig,
     target_modules: list[str],
     work: Path,
     log_fn: MetricLogger,
@@ -143,7 +141,7 @@ def train_adapter(
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    from nimmer_train.adapters import load_base
+    from nimmer_train.loras.adapters import load_base
 
     cuda = torch.cuda.is_available()
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
@@ -284,7 +282,7 @@ def evaluate(
     adapters: dict[str, Path],
     heldout: dict[str, list[Conversation]],
     catalogue: RegistersConfig,
-    settings: LoraSettings,
+    settings: LoraConfig,
 ) -> Evaluation:
     """Held-out losses of the base alone and with every adapter, switched per call on one model."""
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
@@ -311,7 +309,7 @@ def _sample(
     register: str,
     conversation: Conversation,
     catalogue: RegistersConfig,
-    settings: LoraSettings,
+    settings: LoraConfig,
 ) -> dict[str, str]:
     """One generation with the register's adapter at the register's baseline sampling."""
     model.set_adapter(register)

@@ -19,7 +19,6 @@ from typing import Any
 
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from nimmer_train import data_card
 from nimmer_train.artifacts import (
     atomic_dir,
     fingerprint,
@@ -29,10 +28,11 @@ from nimmer_train.artifacts import (
     write_json_atomic,
     write_manifest,
 )
-from nimmer_train.chunking import chunk_paragraphs, contiguous_validation
-from nimmer_train.cleaning import UnusableFile, clean
 from nimmer_train.config import CorpusConfig, WorkConfig
-from nimmer_train.dedup import find_duplicates
+from nimmer_train.corpus import data_card
+from nimmer_train.corpus.chunking import chunk_paragraphs, contiguous_validation
+from nimmer_train.corpus.cleaning import UnusableFile, clean
+from nimmer_train.corpus.dedup import find_duplicates
 from nimmer_train.errors import ConfigError, NimmerError
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def corpus_fingerprint(corpus: CorpusConfig, sources: dict[str, tuple[Path, str 
     settings = dataclasses.asdict(corpus)
     for key in ("source_dir", "data_card", "fetch"):
         settings.pop(key)
-    from nimmer_train import chunking, cleaning, dedup
+    from nimmer_train.corpus import chunking, cleaning, dedup
 
     code = source_fingerprint(chunking, cleaning, dedup, sys.modules[__name__])
     return fingerprint(

@@ -15,10 +15,10 @@ from omegaconf import MISSING
 
 from nimmer_train.artifacts import fingerprint
 from nimmer_train.errors import ConfigError
-from nimmer_train.prompt_dsl import AffectState, MemoryScope, TurnPrompt, render_projection
-from nimmer_train.registers import RegistersConfig
-from nimmer_train.sampling import SamplingKnobs, baseline
-from nimmer_train.traits import TRAIT_AXES
+from nimmer_train.voice.prompt_dsl import AffectState, MemoryScope, TurnPrompt, render_projection
+from nimmer_train.voice.registers import RegistersConfig
+from nimmer_train.voice.sampling import SamplingKnobs, baseline
+from nimmer_train.voice.traits import TRAIT_AXES
 
 
 @dataclass

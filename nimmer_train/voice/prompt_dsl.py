@@ -19,8 +19,8 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
-from nimmer_train.registers import Register
-from nimmer_train.traits import TRAIT_AXES, check_vector, describe
+from nimmer_train.voice.registers import Register
+from nimmer_train.voice.traits import TRAIT_AXES, check_vector, describe
 
 MEMORY_LAYERS = ("world", "district", "primary", "clasp")
 

@@ -30,10 +30,10 @@ import numpy as np
 from sklearn.feature_extraction.text import TfidfVectorizer
 
 from nimmer_train.config import CurationConfig
-from nimmer_train.dedup import find_duplicates
-from nimmer_train.prompt_dsl import ReplyError, validate_reply
-from nimmer_train.registers import RegistersConfig
-from nimmer_train.traits import TRAIT_AXES
+from nimmer_train.corpus.dedup import find_duplicates
+from nimmer_train.voice.prompt_dsl import ReplyError, validate_reply
+from nimmer_train.voice.registers import RegistersConfig
+from nimmer_train.voice.traits import TRAIT_AXES
 
 FUNCTION_WORDS = {
     "en": "the and of to a in is you that it he was for on are with as his they be at one have this from "

@@ -20,16 +20,16 @@ from peft import PeftModel
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from nimmer_train.adapters import load_base
 from nimmer_train.artifacts import write_json_atomic
 from nimmer_train.errors import NimmerError
 from nimmer_train.federation.wire import get_arrays, set_arrays, spec_of
+from nimmer_train.loras.adapters import load_base
 from nimmer_train.privacy.accounting import epsilon
 from nimmer_train.privacy.dp_sgd import DPSettings, lm_loss, lora_changed, lora_snapshot, make_private
 
 
 @dataclass(frozen=True)
-class LocalSettings:
+class LocalTrainingConfig:
     """The per-round training recipe the server sends in its fit config."""
 
     local_steps: int
@@ -81,7 +81,7 @@ def train_locally(
     adapter_dir: Path,
     arrays: list[np.ndarray],
     texts: list[str],
-    settings: LocalSettings,
+    settings: LocalTrainingConfig,
     accountant_file: Path,
     delta: float,
     spec_digest: str | None = None,

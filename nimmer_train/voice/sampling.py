@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from nimmer_train.registers import RegistersConfig
+from nimmer_train.voice.registers import RegistersConfig
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from nimmer_train.runtime.local import LocalModel
-from nimmer_train.sampling import SamplingKnobs
+from nimmer_train.runtime.local_model import LocalModel
+from nimmer_train.voice.sampling import SamplingKnobs
 
 ANY_JSON = {"type": "object"}
 

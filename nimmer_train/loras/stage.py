@@ -12,14 +12,13 @@ import mlflow
 from datasets import load_from_disk
 
 from nimmer_train import tracking
-from nimmer_train.adapters import base_identity
 from nimmer_train.artifacts import intact_manifest
-from nimmer_train.build_base import plan
+from nimmer_train.base.build import plan
 from nimmer_train.config import Config
+from nimmer_train.corpus.ingest import IngestResult, ingest
 from nimmer_train.errors import NimmerError
-from nimmer_train.ingest import IngestResult, ingest
-from nimmer_train.synthesize import SynthResult, find_synth
-from nimmer_train.train_loras import (
+from nimmer_train.loras.adapters import base_identity
+from nimmer_train.loras.train import (
     Evaluation,
     adapter_fingerprint,
     check_hardware,
@@ -29,6 +28,7 @@ from nimmer_train.train_loras import (
     train_adapter,
     work_dir,
 )
+from nimmer_train.synth.synthesize import SynthResult, find_synth
 
 log = logging.getLogger(__name__)
 

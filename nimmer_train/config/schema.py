@@ -12,12 +12,12 @@ from pathlib import Path
 
 from omegaconf import MISSING, OmegaConf
 
-from nimmer_train.composition import CompositionConfig
+from nimmer_train.config.federated import FederatedConfig
+from nimmer_train.config.teacher import TeacherConfig
 from nimmer_train.errors import ConfigError
-from nimmer_train.federation.settings import FederatedConfig
-from nimmer_train.registers import RegistersConfig
-from nimmer_train.teacher.base import TeacherConfig
-from nimmer_train.traits import TRAIT_AXES
+from nimmer_train.voice.composition import CompositionConfig
+from nimmer_train.voice.registers import RegistersConfig
+from nimmer_train.voice.traits import TRAIT_AXES
 
 
 @dataclass
@@ -215,7 +215,7 @@ class CurationConfig:
 
 
 @dataclass
-class LoraSettings:
+class LoraConfig:
     rank: int = 8
     alpha: int = 16
     dropout: float = 0.05
@@ -261,7 +261,7 @@ class PublishConfig:
 
 
 @dataclass
-class RuntimeSettings:
+class RuntimeConfig:
     """The serving runtime as ``run_all`` ends with it: one turn per register, Ring A and Ring B."""
 
     enabled: bool = True
@@ -290,10 +290,10 @@ class Config:
     composition: CompositionConfig = MISSING
     teacher: TeacherConfig = MISSING
     curation: CurationConfig = field(default_factory=CurationConfig)
-    lora: LoraSettings = field(default_factory=LoraSettings)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
-    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
         """Checks across groups: registers named anywhere exist, affinities name corpus works."""

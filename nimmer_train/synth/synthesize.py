@@ -20,7 +20,6 @@ from typing import Any
 
 from datasets import Dataset, DatasetDict
 
-from nimmer_train import data_card
 from nimmer_train.artifacts import (
     atomic_dir,
     fingerprint,
@@ -30,13 +29,14 @@ from nimmer_train.artifacts import (
     write_json_atomic,
     write_manifest,
 )
-from nimmer_train.composition import CompositionConfig, GenerationRequest, expand
-from nimmer_train.config import CurationConfig
-from nimmer_train.curation import curate, register_accuracy, rejection_counts
+from nimmer_train.config import CurationConfig, TeacherConfig
+from nimmer_train.corpus import data_card
 from nimmer_train.errors import NimmerError
-from nimmer_train.prompt_dsl import render_compact
-from nimmer_train.registers import RegistersConfig
-from nimmer_train.teacher import ResponseCache, TeacherConfig, make_teacher, run_requests
+from nimmer_train.synth.curation import curate, register_accuracy, rejection_counts
+from nimmer_train.synth.teacher import ResponseCache, make_teacher, run_requests
+from nimmer_train.voice.composition import CompositionConfig, GenerationRequest, expand
+from nimmer_train.voice.prompt_dsl import render_compact
+from nimmer_train.voice.registers import RegistersConfig
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,9 @@ def synth_fingerprint(
     teacher_settings = {k: v for k, v in dataclasses.asdict(teacher).items() if k not in _NOT_SEMANTIC}
     if teacher.backend == "replay" and Path(str(teacher.replay_file)).is_file():
         teacher_settings["replay_sha256"] = sha256_file(Path(str(teacher.replay_file)))
-    from nimmer_train import composition, prompt_dsl
-    from nimmer_train import curation as curation_module
-    from nimmer_train.teacher import backends
+    from nimmer_train.synth import curation as curation_module
+    from nimmer_train.synth.teacher import backends
+    from nimmer_train.voice import composition, prompt_dsl
 
     code = source_fingerprint(composition, curation_module, prompt_dsl, backends, sys.modules[__name__])
     return fingerprint(

@@ -6,9 +6,9 @@ import logging
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from nimmer_train.composition import GenerationRequest
-from nimmer_train.teacher.base import Teacher, TeacherReply
-from nimmer_train.teacher.cache import ResponseCache
+from nimmer_train.synth.teacher.base import Teacher, TeacherReply
+from nimmer_train.synth.teacher.cache import ResponseCache
+from nimmer_train.voice.composition import GenerationRequest
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 from omegaconf import MISSING, OmegaConf
 
+from nimmer_train.artifacts import REPO_ROOT
 from nimmer_train.errors import ConfigError, NimmerError
-from nimmer_train.traits import check_vector
+from nimmer_train.voice.traits import check_vector
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "registers"
+CONF_DIR = REPO_ROOT / "conf" / "registers"
 
 
 @dataclass

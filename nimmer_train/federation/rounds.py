@@ -47,7 +47,7 @@ from flwr.serverapp.grid import Grid
 from flwr.supercore.differential_privacy import add_gaussian_noise_to_params
 
 from nimmer_train.artifacts import write_json_atomic
-from nimmer_train.federation.settings import FederatedConfig
+from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.federation.wire import (
     EXAMPLES_SCALE,
     AdapterSpec,
@@ -56,9 +56,9 @@ from nimmer_train.federation.wire import (
     set_arrays,
     spec_of,
 )
+from nimmer_train.loras.train import heldout_loss
 from nimmer_train.privacy.a2_pool import pool_summary
 from nimmer_train.privacy.accounting import BudgetExceeded, Ledger, Step
-from nimmer_train.train_loras import heldout_loss
 
 log = logging.getLogger(__name__)
 FIT_PARAMS = "fitres.parameters"
@@ -257,7 +257,7 @@ def make_setup(
     from transformers import AutoTokenizer
 
     from nimmer_train.federation.client import example_text
-    from nimmer_train.federation.local import encode_rows, load_trainable
+    from nimmer_train.federation.local_training import encode_rows, load_trainable
     from nimmer_train.memory.synthetic import heldout_examples
 
     model = load_trainable(base_dir, adapter_dir)[0].eval()

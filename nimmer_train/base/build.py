@@ -6,7 +6,7 @@ as N processes under ``torchrun`` or ``accelerate launch``. Rank 0 logs metrics 
 launcher's MLflow run, so a distributed build is still one run. The finished model folder
 (safetensors, tokenizer, config) is published atomically with a manifest of sha256 sums.
 
-Worker entry: ``python -m nimmer_train.build_base WORK_DIR``.
+Worker entry: ``python -m nimmer_train.base.build WORK_DIR``.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from nimmer_train.artifacts import (
     write_json_atomic,
     write_manifest,
 )
+from nimmer_train.base.modeling import build_model, count_parameters
+from nimmer_train.base.pretrain import pack_blocks, train
+from nimmer_train.base.tokenizer import load_pretrained, train_bpe
 from nimmer_train.config import Config, load_config, save_config
+from nimmer_train.corpus.ingest import IngestResult
 from nimmer_train.errors import NimmerError
-from nimmer_train.ingest import IngestResult
-from nimmer_train.modeling import build_model, count_parameters
-from nimmer_train.pretrain import pack_blocks, train
-from nimmer_train.tokenizer import load_pretrained, train_bpe
 from nimmer_train.tracking import metric_logger
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class BaseResult:
 
 def plan(cfg: Config, corpus: IngestResult) -> BasePlan:
     train_cfg = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _NOT_SEMANTIC}
-    from nimmer_train import modeling, pretrain, tokenizer
+    from nimmer_train.base import modeling, pretrain, tokenizer
 
     code = source_fingerprint(modeling, pretrain, tokenizer, sys.modules[__name__])
     fp = fingerprint(
@@ -132,7 +132,7 @@ def build_base(cfg: Config, corpus: IngestResult, p: BasePlan, run_id: str | Non
             "dataset_fingerprint": corpus.fingerprint,
             "dataset_dir": str(corpus.dataset_dir),
             "config_hash": p.fingerprint,
-            "git_commit": git_commit(Path(__file__).parent),
+            "git_commit": git_commit(),
             "model": dataclasses.asdict(cfg.model),
             "train": dataclasses.asdict(cfg.train),
             "metrics": result,
@@ -144,7 +144,7 @@ def build_base(cfg: Config, corpus: IngestResult, p: BasePlan, run_id: str | Non
 
 def launch_command(cfg: Config, work: Path) -> list[str]:
     """The multi-process command for the worker: torchrun (DDP) or accelerate launch (DDP/FSDP)."""
-    module = ["-m", "nimmer_train.build_base", str(work)]
+    module = ["-m", "nimmer_train.base.build", str(work)]
     if cfg.train.launcher == "torchrun":
         return [
             sys.executable,

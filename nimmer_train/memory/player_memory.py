@@ -31,9 +31,9 @@ from pathlib import Path
 import apsw
 import numpy as np
 
-from nimmer_train.embedding import Embedder
 from nimmer_train.memory.clasp import open_clasp
 from nimmer_train.memory.db import connect, migrate
+from nimmer_train.memory.embedding import Embedder
 from nimmer_train.memory.entries import (
     COLUMNS,
     EMBEDDING_DIM,

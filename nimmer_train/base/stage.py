@@ -1,0 +1,52 @@
+"""The build_base stage: the ingested corpus -> the nimmerworld base model folder, tracked."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import mlflow
+from datasets import load_from_disk
+
+from nimmer_train import tracking
+from nimmer_train.artifacts import read_manifest, write_json_atomic
+from nimmer_train.base.build import BaseResult, build_base, plan
+from nimmer_train.config import Config
+from nimmer_train.corpus.ingest import IngestResult, ingest
+
+
+def build_base_stage(
+    cfg: Config, corpus: IngestResult | None = None, pipeline: str = "build_base"
+) -> BaseResult:
+    """Build the base inside an MLflow run; a killed build resumes its checkpoints and its run."""
+    if corpus is None:  # find the ingested corpus by fingerprint (ingest it if it is missing)
+        corpus = ingest(cfg.corpus, cfg.paths.artifacts_dir())
+    p = plan(cfg, corpus)
+    run_file = p.work / "run.json"
+    previous = json.loads(run_file.read_text())["run_id"] if run_file.exists() else None
+    with tracking.stage_run(cfg, pipeline, "build_base", resume_run_id=previous) as run_id:
+        if run_id:
+            write_json_atomic(run_file, {"run_id": run_id})
+            for split in ("train", "validation"):
+                data = load_from_disk(str(corpus.dataset_dir / split))
+                tracking.log_dataset(
+                    corpus.dataset_dir / split,
+                    f"{cfg.corpus.name}-{split}",
+                    corpus.fingerprint,
+                    split if split == "validation" else "training",
+                    dataset=data,
+                )
+            mlflow.set_tags({"dataset_fingerprint": corpus.fingerprint, "config_hash": p.fingerprint})
+        result = build_base(cfg, corpus, p, run_id)
+        if run_id:
+            mlflow.log_metrics(
+                {k: v for k, v in result.metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
+            )
+            mlflow.set_tags({"reused": str(result.reused), "model_dir": str(result.path)})
+            tracking.log_manifest(result.path, read_manifest(result.path))
+    m = result.metrics
+    print(
+        f"base: {result.path} ({'reused' if result.reused else 'built'}); validation perplexity "
+        f"{m['initial_val_ppl']:.1f} untrained -> {m['final_val_ppl']:.1f} trained"
+    )
+    return result

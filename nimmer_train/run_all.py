@@ -1,0 +1,81 @@
+"""Every stage in data-flow order under one MLflow parent run.
+
+The stage contract, which every ``nimmer_train/<package>/stage.py`` honours:
+
+- **Signature.** ``<verb>_stage(cfg, <results of earlier stages, all optional>, pipeline=...)``
+  returns a result dataclass. Run alone (``python -m pipelines.<stage>``), a stage finds its
+  inputs by fingerprint under ``paths.artifacts`` (the corpus, the base, the LoRAs a config
+  implies), and builds a missing upstream input where that is cheap (ingest) or says which
+  pipeline to run first.
+- **Tracking.** It opens one MLflow run (``tracking.stage_run``): nested under run_all's parent
+  run when chained, in the experiment ``<prefix>-<pipeline>`` when run alone. Params, lineage
+  (input datasets with their fingerprints), metrics and the manifest are logged there.
+- **Output.** It publishes one folder named by a fingerprint of its inputs and config, staged
+  elsewhere, fsynced and renamed into place with a ``manifest.json`` of sha256 sums
+  (``artifacts.atomic_folder``): a folder that exists is complete.
+- **Idempotence and resumption.** A re-run with nothing changed finds that folder and does no
+  work (``reused``); a killed run resumes from its checkpoints (base, LoRAs, federation rounds)
+  or its durable cache (teacher replies), and continues the same MLflow run where it kept one.
+
+Two stages differ by nature and say so: ``publish`` allocates the next version label in the
+registry (publishing the same inputs again returns the existing version), and ``speak`` is
+inference: it writes ``runtime/turns.json`` atomically each time it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nimmer_train import tracking
+from nimmer_train.base.build import BaseResult
+from nimmer_train.base.stage import build_base_stage
+from nimmer_train.config import Config
+from nimmer_train.corpus.ingest import IngestResult
+from nimmer_train.corpus.stage import ingest_stage
+from nimmer_train.synth.stage import synthesize_stage
+from nimmer_train.synth.synthesize import SynthResult
+
+if TYPE_CHECKING:  # the later stages' imports (peft, trl, flwr) load only when run_all needs them
+    from nimmer_train.federation.stage import FederationResult
+    from nimmer_train.loras.stage import LoraResult
+    from nimmer_train.publish.stage import PublishResult
+    from nimmer_train.runtime.stage import SpeakResult
+
+
+@dataclass
+class RunAllResult:
+    """What one run_all produced, stage by stage (None: the stage is switched off)."""
+
+    corpus: IngestResult
+    synth: SynthResult
+    base: BaseResult
+    loras: LoraResult
+    federation: FederationResult | None
+    publish: PublishResult | None
+    speak: SpeakResult | None
+
+
+def run_all(cfg: Config) -> RunAllResult:
+    """Every stage in order, each a nested run under one parent run in experiment run_all."""
+    from nimmer_train.federation.stage import federate_stage
+    from nimmer_train.loras.stage import train_loras_stage
+    from nimmer_train.publish.stage import publish_stage
+
+    speak = None
+    with tracking.stage_run(cfg, "run_all", "run_all"):
+        corpus = ingest_stage(cfg, pipeline="run_all")
+        synth = synthesize_stage(cfg, pipeline="run_all")
+        base = build_base_stage(cfg, corpus, pipeline="run_all")
+        loras = train_loras_stage(cfg, corpus, synth, base.path, pipeline="run_all")
+        federation = federate_stage(cfg, loras, pipeline="run_all") if cfg.federated.enabled else None
+        published = (
+            publish_stage(cfg, base.path, loras, federation, pipeline="run_all")
+            if cfg.publish.enabled
+            else None
+        )
+        if published and published.versions and cfg.runtime.enabled:  # speak through what was published
+            from nimmer_train.runtime.stage import speak_stage
+
+            speak = speak_stage(cfg, pipeline="run_all")
+    return RunAllResult(corpus, synth, base, loras, federation, published, speak)

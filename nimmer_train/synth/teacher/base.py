@@ -1,0 +1,32 @@
+"""The teacher interface: what a backend is given, what it returns, how it fails."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from nimmer_train.errors import NimmerError
+from nimmer_train.voice.composition import GenerationRequest
+
+
+@dataclass
+class TeacherReply:
+    content: str | None  # the model's text; None when no answer arrived
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_s: float = 0.0
+    error: str | None = None  # "timeout", "http_503", "connection", "malformed_response", ...
+    dropped_knobs: tuple[str, ...] = ()  # sampling knobs the backend could not honour
+
+
+class TeacherFatalError(NimmerError):
+    """A failure retrying cannot fix (bad request, bad key, forbidden): the run stops."""
+
+
+class Teacher(Protocol):
+    backend: str
+    model: str
+    batch_size: int  # requests per generate() call
+    concurrency: int  # generate() calls in flight at once
+
+    def generate(self, batch: list[GenerationRequest]) -> list[TeacherReply]: ...
