@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from nimmer_train.base.modeling import build_model
 from nimmer_train.config import ModelConfig
-from nimmer_train.privacy.dp_sgd import DPSettings, lm_loss, lora_changed, lora_snapshot, make_private
+from nimmer_train.privacy.dp_sgd import DPConfig, lm_loss, lora_changed, lora_snapshot, make_private
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STEPS, BATCH, SEQ = 14, 8, 128
@@ -68,7 +68,7 @@ def main() -> None:
             model,
             optimizer,
             DataLoader(data, batch_size=BATCH),
-            DPSettings(poisson_sampling=False, grad_sample_mode=mode),
+            DPConfig(poisson_sampling=False, grad_sample_mode=mode),
         )
         step = median_step(private.model, private.optimizer, private.loader, private.criterion)
         report[f"dp_{mode}_step_s"] = step

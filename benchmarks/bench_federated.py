@@ -28,7 +28,7 @@ from nimmer_train.federation.client import Node
 from nimmer_train.federation.population import build_population
 from nimmer_train.federation.rounds import make_setup
 from nimmer_train.memory.embedding import SentenceEmbedder
-from tests.flower_deployment import tiny_release
+from tests.helpers.flower_deployment import tiny_release
 
 TIMINGS = "fit_seconds.jsonl"
 

@@ -31,7 +31,7 @@ from nimmer_train.config import ModelConfig
 from nimmer_train.voice.composition import expand
 from nimmer_train.voice.prompt_dsl import render_compact
 from nimmer_train.voice.registers import load_catalogue
-from tests.compose import composition
+from tests.helpers.compose import composition
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 REPO = Path(__file__).resolve().parents[1]

@@ -35,8 +35,8 @@ from nimmer_train.runtime.turn import NpcRuntime
 from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, AffectState, MemoryScope, TurnPrompt, render_compact
 from nimmer_train.voice.registers import load_catalogue
 from nimmer_train.voice.sampling import for_turn
-from tests.flower_deployment import tiny_release
-from tests.memory_helpers import HashEmbedder
+from tests.helpers.flower_deployment import tiny_release
+from tests.helpers.memory import HashEmbedder
 
 TURNS, TOKENS, SERVE_TURNS = 16, 48, 24
 

@@ -20,8 +20,8 @@ from nimmer_train.synth.teacher import make_teacher
 from nimmer_train.synth.teacher.runner import run_requests
 from nimmer_train.voice.composition import expand
 from nimmer_train.voice.registers import load_catalogue
-from tests.compose import composition
-from tests.llm_server import serve
+from tests.helpers.compose import composition
+from tests.helpers.llm_server import serve
 
 LATENCY_S = 0.05
 

@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 MANIFEST = "manifest.json"
+README = "README.md"  # an artifact's card: the data card of a dataset, the model card of a version
 REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout: conf/, data_cards/, its git commit
 
 

@@ -121,7 +121,8 @@ def show_version(releases: Path, name: str) -> dict[str, Any]:
 
 
 def _versions(args: argparse.Namespace) -> int:
-    from nimmer_train.publish.registry import Registry
+    from nimmer_train.publish.manifest import SIGNATURE
+    from nimmer_train.publish.registry import REGISTRY_FILE, Registry
     from nimmer_train.publish.signing import Keyring
     from nimmer_train.publish.versions import verify_version
 
@@ -141,7 +142,7 @@ def _versions(args: argparse.Namespace) -> int:
             registry.close()
         files = verified.manifest["blob_distribution"]["files"]
         size = sum(f["size"] for f in files)
-        sig = json.loads((verified.folder / "manifest.sig").read_text())
+        sig = json.loads((verified.folder / SIGNATURE).read_text())
         print(
             f"{verified.label}: signature OK (key {sig['key_id']}); {len(files)} files, {size / 1e6:.1f} MB "
             f"match their sha256 ({seconds:.2f} s); LoRAs OK: {', '.join(verified.loras) or 'none'}"
@@ -152,7 +153,7 @@ def _versions(args: argparse.Namespace) -> int:
             with registry.writing():
                 version = registry.find(args.version)
                 registry.set_alias(args.alias, version, datetime.now(UTC).isoformat(timespec="seconds"))
-            print(f"{version.label} is now {args.alias!r} in {releases / 'registry.sqlite'}")
+            print(f"{version.label} is now {args.alias!r} in {releases / REGISTRY_FILE}")
             uri = registry.setting("mlflow_tracking_uri")
             if uri:
                 from nimmer_train.publish import mlflow_registry
@@ -180,14 +181,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from nimmer_train.publish.signing import generate_key, trust
+    from nimmer_train.publish.signing import PUBLIC_SUFFIX, generate_key, trust
 
     if args.command == "generate":
         kid = generate_key(args.private_key, args.trust)
         where = f"; trusted in {args.trust}" if args.trust else ""
         print(
             f"key {kid}: private {args.private_key} (keep it secret), "
-            f"public {args.private_key.with_suffix('.pub')}{where}"
+            f"public {args.private_key.with_suffix(PUBLIC_SUFFIX)}{where}"
         )
     else:
         print(f"trusted key {trust(args.public_key, args.trusted_dir)} in {args.trusted_dir}")
@@ -195,8 +196,31 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.group == "serve":
+            return _serve(args)
+        if args.group == "versions":
+            return _versions(args)
+        if args.group == "keys":
+            return _keys(args)
+    except NimmerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return _memory(args)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nimmer", description="nimmer-train device tools")
     groups = parser.add_subparsers(dest="group", required=True)
+    _add_memory(groups)
+    _add_versions(groups)
+    _add_keys(groups)
+    _add_serve(groups)
+    return parser
+
+
+def _add_memory(groups: Any) -> None:
     memory = groups.add_parser("memory", help="a player's local memory stores").add_subparsers(
         dest="command", required=True
     )
@@ -209,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--entries", type=int, default=200)
 
+
+def _add_versions(groups: Any) -> None:
     versions = groups.add_parser("versions", help="published nimmerworld base versions")
     versions.add_argument("--releases", type=Path, default=Path("releases"), help="default: ./releases")
     versions.add_argument("--trusted-keys", type=Path, default=None, help="default: RELEASES/../keys/trusted")
@@ -224,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "promote":
             cmd.add_argument("--alias", default="production")
 
+
+def _add_keys(groups: Any) -> None:
     keys = groups.add_parser("keys", help="Ed25519 publisher keys").add_subparsers(
         dest="command", required=True
     )
@@ -233,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     tr = keys.add_parser("trust", help="add a public key to a trusted-keys folder")
     tr.add_argument("public_key", type=Path)
     tr.add_argument("trusted_dir", type=Path)
+
+
+def _add_serve(groups: Any) -> None:
     serve = groups.add_parser("serve", help="an OpenAI-compatible server over a verified version (Ring B)")
     serve.add_argument("--releases", type=Path, default=Path("releases"))
     serve.add_argument("--trusted-keys", type=Path, default=None, help="default: RELEASES/../keys/trusted")
@@ -241,17 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    args = parser.parse_args(argv)
-    try:
-        if args.group == "serve":
-            return _serve(args)
-        if args.group == "versions":
-            return _versions(args)
-        if args.group == "keys":
-            return _keys(args)
-    except NimmerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+
+
+def _memory(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         if not args.player_dir.is_dir():
             print(f"error: no player folder at {args.player_dir}", file=sys.stderr)

@@ -22,7 +22,7 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from nimmer_train.artifacts import git_commit
+from nimmer_train.artifacts import MANIFEST, git_commit
 from nimmer_train.config import Config, TrackingConfig
 
 MetricLogger = Callable[[dict[str, float], int], None]
@@ -138,7 +138,7 @@ def log_dataset(path: Path, name: str, sha256: str, context: str, dataset: Any =
 
 def log_manifest(folder: Path, manifest: dict[str, Any]) -> None:
     if mlflow.active_run():
-        mlflow.log_dict(manifest, "manifest.json")
+        mlflow.log_dict(manifest, MANIFEST)
         mlflow.set_tag("output", str(folder))
 
 

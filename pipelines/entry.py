@@ -74,7 +74,7 @@ def _to_config(cfg: DictConfig) -> Config:
     """The typed config, with ``paths.workdir`` made absolute so workers see the same paths."""
     unknown = _unknown_keys(cfg)
     if unknown:
-        raise ConfigError(unknown[0], "no such key in the config schema (nimmer_train/config.py)")
+        raise ConfigError(unknown[0], "no such key in the config schema (nimmer_train/config/)")
     cfg = cfg.copy()
     with open_dict(cfg):
         cfg.paths.workdir = str(Path(cfg.paths.workdir).resolve())

@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from nimmer_train.config import TrainConfig
 
 MetricLogger = Callable[[dict[str, float], int], None]
+TRAIN_STATE = "train_state.json"  # a step-NNNNNN checkpoint's TrainState; its presence marks one complete
 
 
 def pack_blocks(token_ids: Sequence[Sequence[int]], eos_id: int, seq_len: int) -> torch.Tensor:
@@ -93,7 +94,7 @@ def evaluate(
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
-    done = sorted(p for p in folder.glob("step-*") if (p / "train_state.json").exists())
+    done = sorted(p for p in folder.glob("step-*") if (p / TRAIN_STATE).exists())
     return done[-1] if done else None
 
 
@@ -107,7 +108,7 @@ def save_checkpoint(accelerator: Accelerator, folder: Path, state: TrainState, k
     accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / "train_state.json").write_text(json.dumps(state.__dict__))
+        (tmp / TRAIN_STATE).write_text(json.dumps(state.__dict__))
         tmp.rename(final)
         for old in sorted(p for p in folder.glob("step-*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -132,7 +133,7 @@ def train(
     resume = latest_checkpoint(checkpoints) if checkpoints else None
     if resume:
         accelerator.load_state(str(resume))
-        state = TrainState(**json.loads((resume / "train_state.json").read_text()))
+        state = TrainState(**json.loads((resume / TRAIN_STATE).read_text()))
         accelerator.print(f"resumed from {resume} at step {state.step}")
     elif val_blocks is not None and len(val_blocks):
         val = evaluate(model, val_blocks, cfg, accelerator)

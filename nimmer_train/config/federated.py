@@ -1,6 +1,11 @@
-"""Federation settings: one dataclass for the Hydra group ``federated`` and for the Flower app's
+"""Federation settings: the one source of the Hydra group ``federated`` and of the Flower app's
 run config (``flwr run federated --run-config 'rounds=3 ...'`` uses the same field names, with
-dashes), so simulation and deployment read the same values."""
+dashes), so simulation and deployment read the same values.
+
+The defaults live only here. ``federated/pyproject.toml``'s ``[tool.flwr.app.config]`` table,
+which Flower needs to know the keys, is generated from this dataclass by
+:mod:`nimmer_train.config.flower_app` (a test fails while it is stale).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from nimmer_train.errors import ConfigError
 TIER_CHOICES = ("A1_federated", "A2_anonymized", "opt_out")
 FAULTS = ("crash", "nan", "wrong_shape", "wrong_dtype")
 PLACES = ("base_dir", "work_dir", "out_dir", "a2_pool", "tracking_uri")  # deployed server's run config
+SIMULATION_ONLY = ("enabled", "register", "contributors", "population", "entries_per_player", "faults")
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any
 from datasets import Dataset, DatasetDict, load_from_disk
 
 from nimmer_train.artifacts import (
+    README,
     atomic_dir,
     fingerprint,
     intact_manifest,
@@ -129,7 +130,7 @@ def ingest(corpus: CorpusConfig, artifacts: Path) -> IngestResult:
             }
         ).save_to_disk(str(staging / "dataset"))
         write_json_atomic(staging / "stats.json", stats)
-        (staging / "README.md").write_text(_card(corpus, stats))
+        (staging / README).write_text(_card(corpus, stats))
         write_manifest(
             staging,
             "corpus",

@@ -7,7 +7,7 @@ from pathlib import Path
 import mlflow
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import read_manifest
+from nimmer_train.artifacts import README, read_manifest
 from nimmer_train.config import Config
 from nimmer_train.corpus.ingest import IngestResult, corpus_folder, ingest
 
@@ -34,7 +34,7 @@ def ingest_stage(cfg: Config, pipeline: str = "ingest") -> IngestResult:
                 }
             )
             mlflow.set_tags({"dataset_fingerprint": result.fingerprint, "reused": str(result.reused)})
-            mlflow.log_artifact(str(result.path / "README.md"), "data_card")
+            mlflow.log_artifact(str(result.path / README), "data_card")
             tracking.log_manifest(result.path, read_manifest(result.path))
     print(f"corpus: {result.path} ({'reused' if result.reused else 'built'})")
     return result

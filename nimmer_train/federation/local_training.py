@@ -25,7 +25,7 @@ from nimmer_train.errors import NimmerError
 from nimmer_train.federation.wire import get_arrays, set_arrays, spec_of
 from nimmer_train.loras.adapters import load_base
 from nimmer_train.privacy.accounting import epsilon
-from nimmer_train.privacy.dp_sgd import DPSettings, lm_loss, lora_changed, lora_snapshot, make_private
+from nimmer_train.privacy.dp_sgd import DPConfig, lm_loss, lora_changed, lora_snapshot, make_private
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def train_locally(
     torch.manual_seed(settings.seed)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=settings.lr)
     state = json.loads(accountant_file.read_text()) if accountant_file.exists() else None
-    dp = DPSettings(settings.dp_noise_multiplier, settings.dp_max_grad_norm, settings.grad_sample_mode)
+    dp = DPConfig(settings.dp_noise_multiplier, settings.dp_max_grad_norm, settings.grad_sample_mode)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus's notes on secure RNG and optimizer wrapping
         private = make_private(model, optimizer, DataLoader(data, batch_size=batch), dp, state)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nimmer_train.artifacts import atomic_dir, write_json_atomic, write_manifest
+from nimmer_train.artifacts import README, atomic_dir, write_json_atomic, write_manifest
 from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.federation.rounds import ServerState
 from nimmer_train.loras.adapters import METADATA, read_metadata
@@ -122,7 +122,7 @@ def publish_federated(
     }
     with atomic_dir(out) as staging:
         model.save_pretrained(staging)
-        (staging / "README.md").unlink(missing_ok=True)
+        (staging / README).unlink(missing_ok=True)
         write_json_atomic(staging / METADATA, meta)
         write_json_atomic(staging / ROUNDS, state.records)
         write_json_atomic(staging / CONTRIBUTED, data)

@@ -6,7 +6,7 @@ to the mean of the clipped updates (user-level DP for A.1), account both mechani
 the new global adapter on server-side held-out data, and checkpoint. A killed server resumes
 after the last completed round.
 
-How the pieces compose: each client clips its update to ``C`` (``fixedclipping_mod``) and masks
+How the pieces compose: each client clips its update to ``C`` (``mods.clip_mod``) and masks
 it (``secaggplus_mod``); SecAgg+ reveals only the sum, which is divided by the number ``n`` of
 surviving contributors; :class:`NoisyMean` then adds N(0, (z C / n)^2) to every coordinate, so
 the release is the Gaussian mechanism with noise multiplier ``z`` on a sum of sensitivity ``C``
@@ -62,6 +62,7 @@ from nimmer_train.privacy.accounting import BudgetExceeded, Ledger, Step
 
 log = logging.getLogger(__name__)
 FIT_PARAMS = "fitres.parameters"
+STATE_FILE = "state.json"  # the server's round checkpoint, beside the arrays it names
 Report = Callable[[dict[str, Any]], None]
 
 
@@ -215,27 +216,30 @@ class ServerState:
 
     @classmethod
     def load(cls, work: Path) -> ServerState:
-        path = work / "state.json"
+        path = work / STATE_FILE
         return cls(**json.loads(path.read_text())) if path.exists() else cls()
 
     def save(self, work: Path, arrays: list[np.ndarray]) -> None:
         """The round's arrays first, then the state that names them: a kill leaves the last
         complete round in place."""
-        arrays_file = work / f"global-r{self.round:04d}.npz"
+        arrays_file = self._arrays_file(work)
         tmp = arrays_file.with_suffix(".tmp.npz")
         np.savez(tmp, *arrays)
         tmp.replace(arrays_file)
-        write_json_atomic(work / "state.json", asdict(self))
+        write_json_atomic(work / STATE_FILE, asdict(self))
         for old in work.glob("global-r*.npz"):
             if old != arrays_file:
                 old.unlink()
 
     def arrays(self, work: Path) -> list[np.ndarray] | None:
-        path = work / f"global-r{self.round:04d}.npz"
+        path = self._arrays_file(work)
         if not path.exists():
             return None
         with np.load(path) as data:
             return [data[f"arr_{i}"] for i in range(len(data.files))]
+
+    def _arrays_file(self, work: Path) -> Path:
+        return work / f"global-r{self.round:04d}.npz"
 
 
 @dataclass
@@ -302,22 +306,11 @@ def serve(
     grid: Grid, context: Context, settings: FederatedConfig, setup: ServerSetup, report: Report
 ) -> ServerState:
     """Run the remaining rounds; returns the final state (also on disk)."""
-    from flwr.common import ConfigRecord
-
     setup.work.mkdir(parents=True, exist_ok=True)
     state = ServerState.load(setup.work)
-    ledger = (
-        Ledger.from_dict(state.ledger, settings.delta, settings.epsilon_budget)
-        if state.ledger
-        else Ledger(settings.delta, settings.epsilon_budget)
-    )
+    ledger = _ledger(state, settings)
     spec = spec_of(setup.model)
-    arrays = state.arrays(setup.work) or get_arrays(setup.model)
-    if state.round:
-        log.info("resuming the federation after round %d", state.round)
-    if state.initial_loss is None:
-        state.initial_loss = _evaluate(setup, arrays)
-        report({"round": 0, "heldout_loss": state.initial_loss})
+    arrays = _start_arrays(state, setup, report)
     strategy = NoisyMean(settings, spec, fit_config(settings, spec))
     legacy = LegacyContext(
         context=context,
@@ -326,64 +319,18 @@ def serve(
     )
     thread, stop, ready = start_update_client_manager_thread(grid, legacy.client_manager)
     ready.wait()
-    fit = (
-        SecAggPlusWorkflow(
-            *settings.secagg(),
-            max_weight=1.0,  # every contributor weighs 1: keeps SecAgg+'s quantisation at full precision
-            timeout=settings.round_timeout,
-        )
-        if settings.secure_aggregation
-        else default_fit_workflow
+    loop = _RoundLoop(
+        grid, settings, setup, spec, ledger, strategy, legacy, _fit_workflow(settings), _round_config(legacy)
     )
-    round_cfg = ConfigRecord()
-    legacy.state.config_records[MAIN_CONFIGS_RECORD] = round_cfg
     try:
         for server_round in range(state.round + 1, settings.rounds + 1):
             a1_step: Step = (settings.noise_multiplier, settings.fraction_fit, 1)
-            pool = pool_summary(setup.a2_pool, settings.a2_k)["examples"] if setup.a2_pool else None
-            try:
-                ledger.plan(a1_step, planned_a2(settings, pool))
-            except BudgetExceeded as exc:
-                log.warning("%s", exc)
-                state.stopped = f"budget: {exc}"
+            over_budget = _plan_budget(loop, a1_step)
+            if over_budget:
+                state.stopped = over_budget
                 break
-            started = time.monotonic()
-            legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(
-                ndarrays_to_parameters(arrays), True
-            )
-            round_cfg[WorkflowKey.CURRENT_ROUND] = server_round
-            screen = ScreeningGrid(grid, spec)
-            fit(screen, legacy)
-            out = strategy.outcome
-            record: dict[str, Any] = {
-                "round": server_round,
-                "sampled": out.sampled,
-                "participants": out.participants,
-                "dropped": out.sampled - out.participants - len(screen.rejected),  # failed or timed out
-                "rejected": screen.rejected,
-                "bytes_per_client": screen.bytes,
-                "update_bytes": spec.nbytes,
-                "accepted": out.accepted,
-                "reason": out.reason,
-            }
-            if out.accepted and out.arrays is not None:
-                arrays = out.arrays
-                epsilons = ledger.record(a1_step, out.a2)
-                record.update(
-                    {k: v for k, v in epsilons.items() if k.startswith("epsilon")},
-                    noise_std=settings.noise_multiplier * settings.clipping_norm / out.participants,
-                    examples_a1=max(out.examples - out.a2_examples, 0),
-                    examples_a2=out.a2_examples,
-                    heldout_loss=_evaluate(setup, arrays),
-                )
-            else:
-                ledger.rounds.append({"round": server_round, "delta": settings.delta, "released": False})
-            record["seconds"] = time.monotonic() - started
-            state.contributors = sorted(set(state.contributors) | set(out.contributors))
-            state.round = server_round
-            state.records.append(record)
-            state.ledger = asdict(ledger)
-            state.save(setup.work, arrays)
+            arrays, record = _run_round(loop, server_round, a1_step, arrays)
+            _checkpoint(state, loop, record, arrays)
             report(record)
             log.info("round %d: %s", server_round, _summary(record))
     finally:
@@ -394,6 +341,130 @@ def serve(
     state.save(setup.work, arrays)
     set_arrays(setup.model, arrays)
     return state
+
+
+@dataclass
+class _RoundLoop:
+    """What every round of one ``serve`` call works with."""
+
+    grid: Grid
+    settings: FederatedConfig
+    setup: ServerSetup
+    spec: AdapterSpec
+    ledger: Ledger
+    strategy: NoisyMean
+    legacy: LegacyContext
+    fit: Callable[[Any, LegacyContext], None]  # the fit workflow: SecAgg+ or plain FedAvg
+    round_config: Any  # the ConfigRecord the workflow reads the current round from
+
+
+def _ledger(state: ServerState, settings: FederatedConfig) -> Ledger:
+    """The privacy ledger as the last completed round left it (empty on a fresh start)."""
+    if state.ledger:
+        return Ledger.from_dict(state.ledger, settings.delta, settings.epsilon_budget)
+    return Ledger(settings.delta, settings.epsilon_budget)
+
+
+def _start_arrays(state: ServerState, setup: ServerSetup, report: Report) -> list[np.ndarray]:
+    """The global adapter after the last completed round, else the register adapter (whose
+    held-out loss is then measured and reported as round 0)."""
+    arrays = state.arrays(setup.work) or get_arrays(setup.model)
+    if state.round:
+        log.info("resuming the federation after round %d", state.round)
+    if state.initial_loss is None:
+        state.initial_loss = _evaluate(setup, arrays)
+        report({"round": 0, "heldout_loss": state.initial_loss})
+    return arrays
+
+
+def _fit_workflow(settings: FederatedConfig) -> Callable[[Any, LegacyContext], None]:
+    if not settings.secure_aggregation:
+        return default_fit_workflow
+    return SecAggPlusWorkflow(
+        *settings.secagg(),
+        max_weight=1.0,  # every contributor weighs 1: keeps SecAgg+'s quantisation at full precision
+        timeout=settings.round_timeout,
+    )
+
+
+def _round_config(legacy: LegacyContext) -> Any:
+    from flwr.common import ConfigRecord
+
+    round_cfg = ConfigRecord()
+    legacy.state.config_records[MAIN_CONFIGS_RECORD] = round_cfg
+    return round_cfg
+
+
+def _plan_budget(loop: _RoundLoop, a1_step: Step) -> str | None:
+    """Plan the next round's privacy spend (A.1 and, when the pool has data, A.2); the reason to
+    stop when it would exceed the budget, else None."""
+    settings, setup = loop.settings, loop.setup
+    pool = pool_summary(setup.a2_pool, settings.a2_k)["examples"] if setup.a2_pool else None
+    try:
+        loop.ledger.plan(a1_step, planned_a2(settings, pool))
+    except BudgetExceeded as exc:
+        log.warning("%s", exc)
+        return f"budget: {exc}"
+    return None
+
+
+def _run_round(
+    loop: _RoundLoop, server_round: int, a1_step: Step, arrays: list[np.ndarray]
+) -> tuple[list[np.ndarray], dict[str, Any]]:
+    """One fit round from ``arrays``: the new global arrays (the same ones when the round makes
+    no update) and the round's record; the release, if any, is accounted in the ledger."""
+    settings = loop.settings
+    started = time.monotonic()
+    screen = _fit_round(loop, server_round, arrays)
+    out = loop.strategy.outcome
+    record: dict[str, Any] = {
+        "round": server_round,
+        "sampled": out.sampled,
+        "participants": out.participants,
+        "dropped": out.sampled - out.participants - len(screen.rejected),  # failed or timed out
+        "rejected": screen.rejected,
+        "bytes_per_client": screen.bytes,
+        "update_bytes": loop.spec.nbytes,
+        "accepted": out.accepted,
+        "reason": out.reason,
+    }
+    if out.accepted and out.arrays is not None:
+        arrays = out.arrays
+        epsilons = loop.ledger.record(a1_step, out.a2)
+        record.update(
+            {k: v for k, v in epsilons.items() if k.startswith("epsilon")},
+            noise_std=settings.noise_multiplier * settings.clipping_norm / out.participants,
+            examples_a1=max(out.examples - out.a2_examples, 0),
+            examples_a2=out.a2_examples,
+            heldout_loss=_evaluate(loop.setup, arrays),
+        )
+    else:
+        loop.ledger.rounds.append({"round": server_round, "delta": settings.delta, "released": False})
+    record["seconds"] = time.monotonic() - started
+    return arrays, record
+
+
+def _fit_round(loop: _RoundLoop, server_round: int, arrays: list[np.ndarray]) -> ScreeningGrid:
+    """Send ``arrays`` out through the screening grid for one fit round; the strategy's
+    ``outcome`` then holds what it saw, the returned grid what it rejected and the bytes."""
+    loop.legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(
+        ndarrays_to_parameters(arrays), True
+    )
+    loop.round_config[WorkflowKey.CURRENT_ROUND] = server_round
+    screen = ScreeningGrid(loop.grid, loop.spec)
+    loop.fit(screen, loop.legacy)
+    return screen
+
+
+def _checkpoint(
+    state: ServerState, loop: _RoundLoop, record: dict[str, Any], arrays: list[np.ndarray]
+) -> None:
+    """The completed round into the state (contributors, record, ledger), saved with its arrays."""
+    state.contributors = sorted(set(state.contributors) | set(loop.strategy.outcome.contributors))
+    state.round = record["round"]
+    state.records.append(record)
+    state.ledger = asdict(loop.ledger)
+    state.save(loop.setup.work, arrays)
 
 
 def _evaluate(setup: ServerSetup, arrays: list[np.ndarray]) -> float:

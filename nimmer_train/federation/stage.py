@@ -22,8 +22,9 @@ from typing import Any
 import mlflow
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import fingerprint, intact_manifest, read_manifest, source_fingerprint
+from nimmer_train.artifacts import MANIFEST, fingerprint, intact_manifest, read_manifest, source_fingerprint
 from nimmer_train.config import Config
+from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.federation import client, local_training, mods, results, rounds, wire
 from nimmer_train.federation.app import client_app, server_app
@@ -67,7 +68,7 @@ def locate(cfg: Config, loras: LoraResult | None) -> tuple[Path, Path, str]:
         if cfg.lora.base_dir
         else cfg.paths.artifacts_dir() / "base" / meta["base"]["label"]
     )
-    if not (base / "manifest.json").exists():
+    if not (base / MANIFEST).exists():
         raise NimmerError(f"adapter {adapter} names base {meta['base']['label']}, which is not at {base}")
     return base, adapter, meta["register"]
 
@@ -97,7 +98,7 @@ class FederationPlan:
 
     @property
     def state_file(self) -> Path:
-        return self.folder / "server" / "rounds" / "state.json"
+        return self.folder / "server" / "rounds" / rounds.STATE_FILE
 
 
 def plan_federation(cfg: Config, loras: LoraResult | None = None) -> FederationPlan:
@@ -124,89 +125,115 @@ def plan_federation(cfg: Config, loras: LoraResult | None = None) -> FederationP
 def federate_stage(
     cfg: Config, loras: LoraResult | None = None, pipeline: str = "federate"
 ) -> FederationResult:
-    s = cfg.federated
     p = plan_federation(cfg, loras)
-    base_dir, adapter_dir, register, fp, out, folder = (
-        p.base_dir,
-        p.adapter_dir,
-        p.register,
-        p.fingerprint,
-        p.out,
-        p.folder,
-    )
-    if intact_manifest(out):
-        print(f"federated adapter: {out} (up to date)")
-        meta = read_metadata(out)
-        return FederationResult(out, meta, _records(out), folder)
-    from nimmer_train.memory.embedding import SentenceEmbedder
-
-    population = build_population(folder / "devices", s, SentenceEmbedder())
-    pool = folder / "server" / "a2_pool.sqlite"
-    deliver_uploads(population, pool, s.a2_k)
-    nodes = [Node(base_dir, adapter_dir, device=d) for d in population.devices]
-    nodes.append(Node(base_dir, adapter_dir, a2_pool=pool))  # the server-operated A.2 client
-    work = p.state_file.parent
-    run_file = folder / "server" / "mlflow_run_id"
+    if intact_manifest(p.out):
+        print(f"federated adapter: {p.out} (up to date)")
+        meta = read_metadata(p.out)
+        return FederationResult(p.out, meta, _records(p.out), p.folder)
+    pool = p.folder / "server" / "a2_pool.sqlite"
+    nodes = _nodes(p, cfg.federated, pool)
+    run_file = p.folder / "server" / "mlflow_run_id"
     resume = run_file.read_text().strip() if run_file.exists() else None
     with tracking.stage_run(cfg, pipeline, "federate", resume_run_id=resume) as run_id:
         if run_id:
             run_file.write_text(run_id)
-            mlflow.set_tags({"register": register, "start_adapter": str(adapter_dir), "federation": fp[:12]})
+            mlflow.set_tags(
+                {
+                    "register": p.register,
+                    "start_adapter": str(p.adapter_dir),
+                    "federation": p.fingerprint[:12],
+                }
+            )
         logger = tracking.metric_logger(run_id, cfg.tracking.tracking_uri() if run_id else None)
         published: dict[str, Any] = {}
-
-        def report(record: dict[str, Any]) -> None:
-            values = {k: float(v) for k, v in record.items() if isinstance(v, int | float) and k != "round"}
-            if record.get("bytes_per_client"):
-                values["bytes_per_client_mean"] = sum(record["bytes_per_client"]) / len(
-                    record["bytes_per_client"]
-                )
-                values["bytes_per_client_max"] = float(max(record["bytes_per_client"]))
-            values["rejected"] = float(len(record.get("rejected", [])))
-            logger(values, int(record["round"]))
-
-        def setup_of(_: Any, settings_: Any) -> ServerSetup:
-            return rounds.make_setup(base_dir, adapter_dir, work, s, pool)
-
-        def done(_: Any, settings_: Any, setup: ServerSetup, state: ServerState) -> None:
-            published.update(
-                results.publish_federated(
-                    out, setup.model, adapter_dir, fp, s, state, pool_summary(pool, s.a2_k)
-                )
-            )
-
-        sapp = server_app(lambda _: s, setup_of, done, lambda _: report)
-        drills = _drills(s)
-        capp = client_app(
-            lambda ctx: nodes[int(ctx.node_config["partition-id"])], s.secure_aggregation, drills
-        )
+        sapp, capp = _apps(p, cfg.federated, pool, nodes, logger, published)
         started = time.monotonic()
         _simulate(sapp, capp, len(nodes))
         if not published:
             raise NimmerError("the federation ended without publishing; see the log above")
         if run_id:
-            fed = published["federation"]
-            mlflow.log_metrics(
-                {
-                    "epsilon_a1_user_level": fed["epsilon_a1_user_level"],
-                    "epsilon_a2_record_level": fed["epsilon_a2_record_level"],
-                    "contributors_a1": fed["contributors_a1"],
-                    "uploads_a2": fed["uploads_a2"],
-                    "federation_seconds": time.monotonic() - started,
-                }
+            _log_federation(published["federation"], p.out, time.monotonic() - started)
+    _print_outcome(p.out, published["federation"], cfg.federated.delta)
+    return FederationResult(p.out, published, _records(p.out), p.folder)
+
+
+def _nodes(p: FederationPlan, s: FederatedConfig, pool: Path) -> list[Node]:
+    """The simulated players' devices (their uploads delivered to the A.2 pool) as nodes, and the
+    server-operated A.2 client last."""
+    from nimmer_train.memory.embedding import SentenceEmbedder
+
+    population = build_population(p.folder / "devices", s, SentenceEmbedder())
+    deliver_uploads(population, pool, s.a2_k)
+    nodes = [Node(p.base_dir, p.adapter_dir, device=d) for d in population.devices]
+    nodes.append(Node(p.base_dir, p.adapter_dir, a2_pool=pool))  # the server-operated A.2 client
+    return nodes
+
+
+def _apps(
+    p: FederationPlan,
+    s: FederatedConfig,
+    pool: Path,
+    nodes: list[Node],
+    logger: tracking.MetricLogger,
+    published: dict[str, Any],
+) -> tuple[Any, Any]:
+    """The Flower server and client apps; the server reports each round to ``logger`` and fills
+    ``published`` with the federated adapter's metadata when it is done."""
+    work = p.state_file.parent
+
+    def report(record: dict[str, Any]) -> None:
+        logger(_round_metrics(record), int(record["round"]))
+
+    def setup_of(_: Any, settings_: Any) -> ServerSetup:
+        return rounds.make_setup(p.base_dir, p.adapter_dir, work, s, pool)
+
+    def done(_: Any, settings_: Any, setup: ServerSetup, state: ServerState) -> None:
+        published.update(
+            results.publish_federated(
+                p.out, setup.model, p.adapter_dir, p.fingerprint, s, state, pool_summary(pool, s.a2_k)
             )
-            mlflow.set_tags({"federated_adapter": str(out), "stopped": str(fed["stopped"])})
-            for name in (results.ROUNDS, results.CONTRIBUTED, results.CARD):
-                mlflow.log_artifact(str(out / name), "federation")
-    fed = published["federation"]
+        )
+
+    sapp = server_app(lambda _: s, setup_of, done, lambda _: report)
+    drills = _drills(s)
+    capp = client_app(lambda ctx: nodes[int(ctx.node_config["partition-id"])], s.secure_aggregation, drills)
+    return sapp, capp
+
+
+def _round_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """A round record's numbers as MLflow metrics (bytes per client as mean and max)."""
+    values = {k: float(v) for k, v in record.items() if isinstance(v, int | float) and k != "round"}
+    if record.get("bytes_per_client"):
+        values["bytes_per_client_mean"] = sum(record["bytes_per_client"]) / len(record["bytes_per_client"])
+        values["bytes_per_client_max"] = float(max(record["bytes_per_client"]))
+    values["rejected"] = float(len(record.get("rejected", [])))
+    return values
+
+
+def _log_federation(fed: dict[str, Any], out: Path, seconds: float) -> None:
+    """The federation's privacy outcome, duration, stop reason and records on the stage run."""
+    mlflow.log_metrics(
+        {
+            "epsilon_a1_user_level": fed["epsilon_a1_user_level"],
+            "epsilon_a2_record_level": fed["epsilon_a2_record_level"],
+            "contributors_a1": fed["contributors_a1"],
+            "uploads_a2": fed["uploads_a2"],
+            "federation_seconds": seconds,
+        }
+    )
+    mlflow.set_tags({"federated_adapter": str(out), "stopped": str(fed["stopped"])})
+    for name in (results.ROUNDS, results.CONTRIBUTED, results.CARD):
+        mlflow.log_artifact(str(out / name), "federation")
+
+
+def _print_outcome(out: Path, fed: dict[str, Any], delta: float) -> None:
     after = fed["heldout_loss_after"]
     print(
         f"federated adapter: {out} ({fed['rounds']} rounds, stopped: {fed['stopped']}); held-out loss "
         f"{fed['heldout_loss_before']:.3f} -> {after if after is None else f'{after:.3f}'}; epsilon A.1 "
         f"{fed['epsilon_a1_user_level']:.3f} (user), A.2 {fed['epsilon_a2_record_level']:.3f} (record) "
-        f"at delta {s.delta:g}"
+        f"at delta {delta:g}"
     )
-    return FederationResult(out, published, _records(out), folder)
 
 
 def _records(out: Path) -> list[dict[str, Any]]:

@@ -7,12 +7,13 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlflow
 from datasets import load_from_disk
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import intact_manifest
+from nimmer_train.artifacts import MANIFEST, intact_manifest
 from nimmer_train.base.build import plan
 from nimmer_train.config import Config
 from nimmer_train.corpus.ingest import IngestResult, ingest
@@ -20,6 +21,7 @@ from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import base_identity
 from nimmer_train.loras.train import (
     Evaluation,
+    RegisterData,
     adapter_fingerprint,
     check_hardware,
     evaluate,
@@ -29,6 +31,7 @@ from nimmer_train.loras.train import (
     work_dir,
 )
 from nimmer_train.synth.synthesize import SynthResult, find_synth
+from nimmer_train.voice.registers import Register
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +53,67 @@ def train_loras_stage(
 ) -> LoraResult:
     settings = cfg.lora
     check_hardware(settings)
+    inputs = _inputs(cfg, corpus, synth, base_dir)
+    adapters: dict[str, Path] = {}
+    heldout = {}
+    skipped: dict[str, str] = {}
+    evaluation = None
+    with tracking.stage_run(cfg, pipeline, "train_loras") as parent:
+        for name in inputs.names:
+            register = cfg.registers.get(name)
+            data = register_data(name, register, inputs.r1, inputs.literary, settings)
+            if data.r1_examples < settings.min_examples:
+                skipped[name] = (
+                    f"{data.r1_examples} r1 conversations < lora.min_examples={settings.min_examples}"
+                )
+                log.warning("skipping register %s: %s", name, skipped[name])
+                continue
+            adapters[name] = _adapter(cfg, pipeline, inputs, name, register, data)
+            heldout[name] = data.heldout
+        evaluable = {n: p for n, p in adapters.items() if heldout[n]}
+        if evaluable:
+            evaluation = evaluate(inputs.base_dir, evaluable, heldout, cfg.registers, settings)
+            if parent:
+                _log_evaluation(evaluation)
+        if parent:
+            mlflow.set_tags({"base": inputs.base["label"], "skipped": str(skipped)})
+    if evaluation:
+        print(
+            f"adapters: {inputs.root} ({len(adapters)} registers); separability "
+            f"{evaluation.separability:.2f}, mean loss gain over base {evaluation.mean_gain:.3f}"
+        )
+    return LoraResult(inputs.root, adapters, skipped, evaluation)
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What every register's adapter is trained from, and where the adapters go."""
+
+    corpus: IngestResult
+    synth: SynthResult
+    base_dir: Path
+    base: dict[str, str]  # the base's identity (label, weights sha256)
+    names: list[str]  # the registers to train
+    r1: Any  # the synthetic r1 conversations (DatasetDict)
+    literary: Any  # the literary corpus (DatasetDict)
+    root: Path  # artifacts/loras/<base>/
+
+    @property
+    def datasets(self) -> dict[str, str]:
+        return {"synth": self.synth.fingerprint, "corpus": self.corpus.fingerprint}
+
+
+def _inputs(
+    cfg: Config, corpus: IngestResult | None, synth: SynthResult | None, base_dir: Path | None
+) -> _Inputs:
+    """The corpus, synthetic data and base (run_all's, else found or made from the config); the
+    registers to train, checked against the catalogue."""
+    settings = cfg.lora
     artifacts = cfg.paths.artifacts_dir()
     corpus = corpus or ingest(cfg.corpus, artifacts)
     synth = synth or find_synth(cfg.composition, cfg.registers, cfg.teacher, cfg.curation, artifacts)
     base_dir = Path(settings.base_dir) if settings.base_dir else base_dir or plan(cfg, corpus).out
-    if not (base_dir / "manifest.json").exists():
+    if not (base_dir / MANIFEST).exists():
         raise NimmerError(
             f"no published base at {base_dir}: run `python -m pipelines.build_base` with the "
             "same overrides first, or point lora.base_dir at a base folder"
@@ -65,74 +124,63 @@ def train_loras_stage(
         cfg.registers.get(name)  # an unknown register fails here, naming the known ones
     r1 = load_from_disk(str(synth.path / "r1"))
     literary = load_from_disk(str(corpus.dataset_dir))
-    root = artifacts / "loras" / base_dir.name
-    adapters: dict[str, Path] = {}
-    heldout = {}
-    skipped: dict[str, str] = {}
-    evaluation = None
-    with tracking.stage_run(cfg, pipeline, "train_loras") as parent:
-        for name in names:
-            register = cfg.registers.get(name)
-            data = register_data(name, register, r1, literary, settings)
-            if data.r1_examples < settings.min_examples:
-                skipped[name] = (
-                    f"{data.r1_examples} r1 conversations < lora.min_examples={settings.min_examples}"
-                )
-                log.warning("skipping register %s: %s", name, skipped[name])
-                continue
-            fp = adapter_fingerprint(
-                name, register, base, {"synth": synth.fingerprint, "corpus": corpus.fingerprint}, settings
-            )
-            out = root / f"{name}-{fp[:12]}"
-            with tracking.stage_run(cfg, pipeline, f"lora {name}") as run_id:
-                existing = intact_manifest(out)
-                if existing:
-                    log.info("adapter %s is up to date at %s; not retraining", name, out)
-                else:
-                    logger = tracking.metric_logger(run_id, cfg.tracking.tracking_uri() if run_id else None)
-                    model, metrics = train_adapter(
-                        name, data, base_dir, settings, cfg.model.lora_target_modules, work_dir(out), logger
-                    )
-                    metrics.update(
-                        r1_examples=data.r1_examples,
-                        literary_examples=data.literary_examples,
-                        heldout_examples=len(data.heldout),
-                    )
-                    publish_adapter(
-                        model,
-                        out,
-                        fp,
-                        {
-                            "register": name,
-                            "traits": register.traits,
-                            "base": base,
-                            "datasets": {"synth": synth.fingerprint, "corpus": corpus.fingerprint},
-                            "training_config_hash": fp,
-                            "lora": dataclasses.asdict(settings),
-                            "target_modules": list(cfg.model.lora_target_modules),
-                            "metrics": metrics,
-                        },
-                    )
-                if run_id:
-                    mlflow.log_params(
-                        {"register": name, **{f"traits.{k}": v for k, v in register.traits.items()}}
-                    )
-                    mlflow.set_tags({"adapter_dir": str(out), "reused": str(bool(existing))})
-            adapters[name] = out
-            heldout[name] = data.heldout
-        evaluable = {n: p for n, p in adapters.items() if heldout[n]}
-        if evaluable:
-            evaluation = evaluate(base_dir, evaluable, heldout, cfg.registers, settings)
-            if parent:
-                _log_evaluation(evaluation)
-        if parent:
-            mlflow.set_tags({"base": base["label"], "skipped": str(skipped)})
-    if evaluation:
-        print(
-            f"adapters: {root} ({len(adapters)} registers); separability {evaluation.separability:.2f}, "
-            f"mean loss gain over base {evaluation.mean_gain:.3f}"
-        )
-    return LoraResult(root, adapters, skipped, evaluation)
+    return _Inputs(corpus, synth, base_dir, base, names, r1, literary, artifacts / "loras" / base_dir.name)
+
+
+def _adapter(
+    cfg: Config, pipeline: str, inputs: _Inputs, name: str, register: Register, data: RegisterData
+) -> Path:
+    """The register's adapter in its own nested MLflow run: reused when an intact one exists,
+    else trained and published."""
+    fp = adapter_fingerprint(name, register, inputs.base, inputs.datasets, cfg.lora)
+    out = inputs.root / f"{name}-{fp[:12]}"
+    with tracking.stage_run(cfg, pipeline, f"lora {name}") as run_id:
+        existing = intact_manifest(out)
+        if existing:
+            log.info("adapter %s is up to date at %s; not retraining", name, out)
+        else:
+            _train_and_publish(cfg, inputs, name, register, data, fp, out, run_id)
+        if run_id:
+            mlflow.log_params({"register": name, **{f"traits.{k}": v for k, v in register.traits.items()}})
+            mlflow.set_tags({"adapter_dir": str(out), "reused": str(bool(existing))})
+    return out
+
+
+def _train_and_publish(
+    cfg: Config,
+    inputs: _Inputs,
+    name: str,
+    register: Register,
+    data: RegisterData,
+    fp: str,
+    out: Path,
+    run_id: str | None,
+) -> None:
+    settings = cfg.lora
+    logger = tracking.metric_logger(run_id, cfg.tracking.tracking_uri() if run_id else None)
+    model, metrics = train_adapter(
+        name, data, inputs.base_dir, settings, cfg.model.lora_target_modules, work_dir(out), logger
+    )
+    metrics.update(
+        r1_examples=data.r1_examples,
+        literary_examples=data.literary_examples,
+        heldout_examples=len(data.heldout),
+    )
+    publish_adapter(
+        model,
+        out,
+        fp,
+        {
+            "register": name,
+            "traits": register.traits,
+            "base": inputs.base,
+            "datasets": inputs.datasets,
+            "training_config_hash": fp,
+            "lora": dataclasses.asdict(settings),
+            "target_modules": list(cfg.model.lora_target_modules),
+            "metrics": metrics,
+        },
+    )
 
 
 def _log_evaluation(ev: Evaluation) -> None:

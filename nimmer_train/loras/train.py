@@ -26,6 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
 from nimmer_train.artifacts import (
+    README,
     atomic_dir,
     fingerprint,
     source_fingerprint,
@@ -138,25 +139,51 @@ def train_adapter(
     log_fn: MetricLogger,
 ) -> tuple[Any, dict[str, float]]:
     """Train one LoRA (resuming from ``work``'s latest checkpoint); return (peft model, metrics)."""
-    from peft import LoraConfig
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = _load_for_training(base_dir, settings)
+    trainer = _sft_trainer(model, tokenizer, data, settings, target_modules, work, log_fn)
+    resume = latest_complete_checkpoint(work / "checkpoints")
+    if resume:
+        log.info("%s: resuming from %s", name, resume)
+    result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    moved = [p for n, p in trainer.model.named_parameters() if "lora_B" in n and p.abs().sum() > 0]
+    if not moved:
+        raise NimmerError(f"{name}: the LoRA weights did not change during training; nothing was learnt")
+    return trainer.model, {"train_loss": float(result.training_loss), "steps": int(trainer.state.global_step)}
+
+
+def _load_for_training(base_dir: Path, settings: LoraConfig) -> Any:
+    """The base, in 4-bit NF4 for QLoRA, else as built (on its device before the adapter is attached)."""
+    if not settings.quantize_4bit:
+        from nimmer_train.loras.adapters import load_base
+
+        return load_base(base_dir)
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+    )
+    return prepare_model_for_kbit_training(
+        AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quant)
+    )
+
+
+def _sft_trainer(
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    data: RegisterData,
+    settings: LoraConfig,
+    target_modules: list[str],
+    work: Path,
+    log_fn: MetricLogger,
+) -> Any:
+    """TRL's SFTTrainer: the LoRA on ``model``, loss on assistant turns, checkpoints in ``work``,
+    metrics to ``log_fn`` (not stdout)."""
+    from peft import LoraConfig as PeftLoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    from nimmer_train.loras.adapters import load_base
-
     cuda = torch.cuda.is_available()
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    if settings.quantize_4bit:
-        from peft import prepare_model_for_kbit_training
-        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-        quant = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
-        )
-        model = prepare_model_for_kbit_training(
-            AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quant)
-        )
-    else:
-        model = load_base(base_dir)  # on its device before the adapter is attached
     args = SFTConfig(
         output_dir=str(work / "checkpoints"),
         max_steps=settings.max_steps,
@@ -179,7 +206,7 @@ def train_adapter(
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    peft_config = LoraConfig(
+    peft_config = PeftLoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
@@ -195,14 +222,7 @@ def train_adapter(
         callbacks=[_LogMetrics(log_fn)],
     )
     trainer.remove_callback(PrinterCallback)  # metrics go to MLflow, not stdout
-    resume = latest_complete_checkpoint(work / "checkpoints")
-    if resume:
-        log.info("%s: resuming from %s", name, resume)
-    result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    moved = [p for n, p in trainer.model.named_parameters() if "lora_B" in n and p.abs().sum() > 0]
-    if not moved:
-        raise NimmerError(f"{name}: the LoRA weights did not change during training; nothing was learnt")
-    return trainer.model, {"train_loss": float(result.training_loss), "steps": int(trainer.state.global_step)}
+    return trainer
 
 
 def latest_complete_checkpoint(folder: Path) -> Path | None:
@@ -320,12 +340,7 @@ def _sample(
     torch.manual_seed(settings.seed)
     out = model.generate(
         **prompt,
-        do_sample=True,
-        temperature=knobs.temperature,
-        top_p=knobs.top_p,
-        top_k=knobs.top_k,
-        repetition_penalty=knobs.repetition_penalty,
-        min_p=knobs.min_p,
+        **knobs.generate_kwargs(),
         max_new_tokens=settings.sample_max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
     )
@@ -342,7 +357,7 @@ def publish_adapter(model: Any, out: Path, fp: str, metadata: dict[str, Any]) ->
     """Write the PEFT folder, its binding metadata and manifest; visible only when complete."""
     with atomic_dir(out) as staging:
         model.save_pretrained(staging)
-        (staging / "README.md").unlink(missing_ok=True)  # peft's empty model-card template
+        (staging / README).unlink(missing_ok=True)  # peft's empty model-card template
         write_json_atomic(staging / METADATA, metadata)
         write_manifest(
             staging, "register_adapter", fp, {"register": metadata["register"], "base": metadata["base"]}

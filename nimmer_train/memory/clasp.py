@@ -3,7 +3,7 @@
 clasp.sqlite holds the in-between intimate channel. It is read for one purpose, retrieval in
 IN_BETWEEN mode, and written only by turns spoken in that mode. No export, sync, upload or
 training reader may open it: nothing outside this module names the file, and
-tests/test_memory.py scans the package to keep it that way.
+tests/unit/memory/test_memory.py scans the package to keep it that way.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 
 @dataclass(frozen=True)
-class DPSettings:
+class DPConfig:
     noise_multiplier: float = 1.0
     max_grad_norm: float = 1.0
     grad_sample_mode: str = "hooks"  # hooks | ghost
@@ -41,7 +41,7 @@ def make_private(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     loader: DataLoader,
-    settings: DPSettings,
+    settings: DPConfig,
     accountant_state: dict | None = None,
 ) -> PrivateTraining:
     """Wrap model, optimizer and loader for DP-SGD; ``accountant_state`` continues an earlier run."""

@@ -26,6 +26,7 @@ from typing import Any
 
 from nimmer_train.artifacts import (
     MANIFEST,
+    README,
     atomic_dir,
     fingerprint,
     intact_manifest,
@@ -42,7 +43,7 @@ from nimmer_train.publish.signing import load_private, sign, signature_bytes
 log = logging.getLogger(__name__)
 DRILL = "NIMMER_PUBLISH_DRILL"
 # base-folder files that are not part of the model itself
-NOT_COPIED = {MANIFEST, "README.md"}
+NOT_COPIED = {MANIFEST, README}
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,11 @@ def _corpus_refs(req: PublishRequest, base_manifest: dict[str, Any], merged: dic
         literary["name"] = corpus_dir.name.rsplit("-", 1)[0]
     fed = (merged or {}).get("federation", {})
     contributed: dict[str, Any] = {}
-    if req.merge_adapter and (req.merge_adapter / "contributed_data.json").exists():
-        contributed = json.loads((req.merge_adapter / "contributed_data.json").read_text())
+    if req.merge_adapter:
+        from nimmer_train.federation.results import CONTRIBUTED
+
+        if (req.merge_adapter / CONTRIBUTED).exists():
+            contributed = json.loads((req.merge_adapter / CONTRIBUTED).read_text())
     tiers = contributed.get("tiers", {})
     return {
         "literary": literary,
@@ -240,91 +244,22 @@ def _publish_locked(
     base_weights: str,
     merged_meta: dict[str, Any] | None,
 ) -> tuple[str, dict[str, Any]]:
-    number = registry.next_number()
-    label = label_of(number)
+    """Stage the next version's folder (model, card, signed manifest) and return its label and
+    the registry rows that will make it visible."""
+    label = label_of(registry.next_number())
     released_at = _now()
     parent = registry.by_weights(base_weights) if req.merge_adapter else None
     loras = [_copy_lora(registry, p) for p in req.loras]
     final = registry.releases / label
     url = (req.blob_base_url or final.parent.resolve().as_uri()).rstrip("/")
-    fed = (merged_meta or {}).get("federation", {})
     with atomic_dir(final) as staging:
         _stage_model(req, staging)
         weights = sha256_file(staging / WEIGHTS)
-        compat = []
-        for lora in loras:
-            if merged_meta and lora["register"] == merged_meta["register"]:
-                continue  # its register's voice is in the weights now; this LoRA would apply twice
-            if lora["trained_on_weights_sha256"] == weights:
-                relation = "trained_on"
-            elif req.merge_adapter and lora["trained_on_weights_sha256"] == base_weights:
-                relation = "inherited"
-            else:
-                raise NimmerError(
-                    f"LoRA {lora['lora_id']} was trained on other base weights "
-                    f"(sha256 {lora['trained_on_weights_sha256'][:12]}); it does not fit {label}"
-                )
-            compat.append(
-                {**{k: lora[k] for k in ("lora_id", "register", "fingerprint")}, "relation": relation}
-            )
-        epsilon_a2 = fed.get("epsilon_a2_record_level") if fed.get("uploads_a2") else None
-        manifest: dict[str, Any] = {
-            "format": FORMAT,
-            "version_id": str(uuid.uuid4()),
-            "version_label": label,
-            "base_model_origin": _origin(base_manifest),
-            "training_corpus_refs": _corpus_refs(req, base_manifest, merged_meta),
-            "training_recipe_ref": {
-                "git_commit": req.recipe.get("git_commit", base_manifest["lineage"].get("git_commit")),
-                "base_git_commit": base_manifest["lineage"].get("git_commit"),
-                "base_config_hash": base_manifest["lineage"]["config_hash"],
-                "base_config": {k: base_manifest["lineage"][k] for k in ("model", "train")},
-                "dataset_fingerprints": {
-                    "literary": base_manifest["lineage"]["dataset_fingerprint"],
-                    **({"synthetic": merged_meta["datasets"]["synth"]} if merged_meta else {}),
-                },
-                "publish_config": req.recipe.get("config"),
-            },
-            "released_at": released_at,
-            "differential_privacy_epsilon": epsilon_a2,
-            "contributors_count": fed.get("contributors_a1", 0) + fed.get("uploads_a2", 0),
-            "privacy": {
-                "delta": fed.get("delta", 0.0),
-                "epsilon_a1_user_level": fed.get("epsilon_a1_user_level")
-                if fed.get("contributors_a1")
-                else None,
-                "epsilon_a2_record_level": epsilon_a2,
-                "contributors_a1": fed.get("contributors_a1", 0),
-                "uploads_a2": fed.get("uploads_a2", 0),
-            },
-            "parent_version": parent.label if parent else None,
-            "merged_adapter": {
-                "register": merged_meta["register"],
-                "fingerprint": read_manifest(req.merge_adapter)["fingerprint"],
-                "federation": fed.get("fingerprint", ""),
-                "rounds": fed.get("rounds", 0),
-                "heldout_loss_before": fed.get("heldout_loss_before"),
-                "heldout_loss_after": fed.get("heldout_loss_after"),
-            }
-            if merged_meta and req.merge_adapter
-            else None,
-            "compatible_loras": compat,
-            "content_fingerprint": fp,
-            "weights_sha256": weights,
-        }
-        manifest["privacy"]["never_shared"] = manifest["training_corpus_refs"]["player_contributed"][
-            "never_shared"
-        ]
-        (staging / "README.md").write_text(card.render(manifest, req.license))
-        files = release_files(staging)
-        manifest["blob_distribution"] = {
-            "base_url": url,
-            "files": [{**f, "location": f"{url}/{label}/{f['path']}"} for f in files],
-        }
-        raw = manifest_bytes(manifest)
-        (staging / MANIFEST).write_bytes(raw)
-        signature = sign(raw, key)
-        (staging / SIGNATURE).write_bytes(signature_bytes(signature))
+        compat = _compatible_loras(req, label, loras, weights, base_weights, merged_meta)
+        manifest = _version_manifest(
+            req, label, fp, released_at, base_manifest, merged_meta, parent, compat, weights
+        )
+        raw, signature = _write_signed(staging, manifest, req.license, url, label, key)
         _drill("staged")
     rows = {
         "manifest": manifest,
@@ -336,6 +271,127 @@ def _publish_locked(
         "contributors": _contributors(req.federation_state) if req.merge_adapter else ([], None),
     }
     return label, rows
+
+
+def _compatible_loras(
+    req: PublishRequest,
+    label: str,
+    loras: list[dict[str, Any]],
+    weights: str,
+    base_weights: str,
+    merged_meta: dict[str, Any] | None,
+) -> list[dict[str, Any]]:
+    """The register LoRAs that fit the new weights, each with how it relates to them; one trained
+    on other weights is an error, the merged register's own LoRA is left out."""
+    compat = []
+    for lora in loras:
+        if merged_meta and lora["register"] == merged_meta["register"]:
+            continue  # its register's voice is in the weights now; this LoRA would apply twice
+        if lora["trained_on_weights_sha256"] == weights:
+            relation = "trained_on"
+        elif req.merge_adapter and lora["trained_on_weights_sha256"] == base_weights:
+            relation = "inherited"
+        else:
+            raise NimmerError(
+                f"LoRA {lora['lora_id']} was trained on other base weights "
+                f"(sha256 {lora['trained_on_weights_sha256'][:12]}); it does not fit {label}"
+            )
+        compat.append({**{k: lora[k] for k in ("lora_id", "register", "fingerprint")}, "relation": relation})
+    return compat
+
+
+def _version_manifest(
+    req: PublishRequest,
+    label: str,
+    fp: str,
+    released_at: str,
+    base_manifest: dict[str, Any],
+    merged_meta: dict[str, Any] | None,
+    parent: Version | None,
+    compat: list[dict[str, Any]],
+    weights: str,
+) -> dict[str, Any]:
+    """The version's manifest, all but its blob distribution (which lists the staged files)."""
+    fed = (merged_meta or {}).get("federation", {})
+    epsilon_a2 = fed.get("epsilon_a2_record_level") if fed.get("uploads_a2") else None
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "version_id": str(uuid.uuid4()),
+        "version_label": label,
+        "base_model_origin": _origin(base_manifest),
+        "training_corpus_refs": _corpus_refs(req, base_manifest, merged_meta),
+        "training_recipe_ref": _recipe_ref(req, base_manifest, merged_meta),
+        "released_at": released_at,
+        "differential_privacy_epsilon": epsilon_a2,
+        "contributors_count": fed.get("contributors_a1", 0) + fed.get("uploads_a2", 0),
+        "privacy": {
+            "delta": fed.get("delta", 0.0),
+            "epsilon_a1_user_level": fed.get("epsilon_a1_user_level") if fed.get("contributors_a1") else None,
+            "epsilon_a2_record_level": epsilon_a2,
+            "contributors_a1": fed.get("contributors_a1", 0),
+            "uploads_a2": fed.get("uploads_a2", 0),
+        },
+        "parent_version": parent.label if parent else None,
+        "merged_adapter": _merged_adapter(req, merged_meta),
+        "compatible_loras": compat,
+        "content_fingerprint": fp,
+        "weights_sha256": weights,
+    }
+    manifest["privacy"]["never_shared"] = manifest["training_corpus_refs"]["player_contributed"][
+        "never_shared"
+    ]
+    return manifest
+
+
+def _recipe_ref(
+    req: PublishRequest, base_manifest: dict[str, Any], merged_meta: dict[str, Any] | None
+) -> dict[str, Any]:
+    """How the weights were made: commits, the base's config and hash, the dataset fingerprints."""
+    lineage = base_manifest["lineage"]
+    return {
+        "git_commit": req.recipe.get("git_commit", lineage.get("git_commit")),
+        "base_git_commit": lineage.get("git_commit"),
+        "base_config_hash": lineage["config_hash"],
+        "base_config": {k: lineage[k] for k in ("model", "train")},
+        "dataset_fingerprints": {
+            "literary": lineage["dataset_fingerprint"],
+            **({"synthetic": merged_meta["datasets"]["synth"]} if merged_meta else {}),
+        },
+        "publish_config": req.recipe.get("config"),
+    }
+
+
+def _merged_adapter(req: PublishRequest, merged_meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The adapter merged into the weights and its federation's outcome; None for a plain base."""
+    if not (merged_meta and req.merge_adapter):
+        return None
+    fed = merged_meta.get("federation", {})
+    return {
+        "register": merged_meta["register"],
+        "fingerprint": read_manifest(req.merge_adapter)["fingerprint"],
+        "federation": fed.get("fingerprint", ""),
+        "rounds": fed.get("rounds", 0),
+        "heldout_loss_before": fed.get("heldout_loss_before"),
+        "heldout_loss_after": fed.get("heldout_loss_after"),
+    }
+
+
+def _write_signed(
+    staging: Path, manifest: dict[str, Any], license_id: str, url: str, label: str, key: Any
+) -> tuple[bytes, dict[str, str]]:
+    """The model card, then the manifest with every staged file's location, then its signature;
+    returns (manifest bytes, signature)."""
+    (staging / README).write_text(card.render(manifest, license_id))
+    files = release_files(staging)
+    manifest["blob_distribution"] = {
+        "base_url": url,
+        "files": [{**f, "location": f"{url}/{label}/{f['path']}"} for f in files],
+    }
+    raw = manifest_bytes(manifest)
+    (staging / MANIFEST).write_bytes(raw)
+    signature = sign(raw, key)
+    (staging / SIGNATURE).write_bytes(signature_bytes(signature))
+    return raw, signature
 
 
 def _insert(registry: Registry, label: str, rows: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from nimmer_train.errors import NimmerError
 
 ALGORITHM = "ed25519"
+PUBLIC_SUFFIX = ".pub"  # a public key file: beside its private key, or <key_id>.pub when trusted
 
 
 class SignatureError(NimmerError):
@@ -54,7 +55,7 @@ def generate_key(private_path: Path, trusted_dir: Path | None = None) -> str:
     with os.fdopen(fd, "wb") as fh:
         fh.write(pem)
     kid = key_id(key.public_key())
-    pub = private_path.with_suffix(".pub")
+    pub = private_path.with_suffix(PUBLIC_SUFFIX)
     pub.write_text(public_text(key.public_key()))
     if trusted_dir is not None:
         trust(pub, trusted_dir)
@@ -66,7 +67,7 @@ def trust(public_file: Path, trusted_dir: Path) -> str:
     public = _read_public(public_file)
     kid = key_id(public)
     trusted_dir.mkdir(parents=True, exist_ok=True)
-    (trusted_dir / f"{kid}.pub").write_text(public_text(public))
+    (trusted_dir / f"{kid}{PUBLIC_SUFFIX}").write_text(public_text(public))
     return kid
 
 
@@ -99,7 +100,7 @@ class Keyring:
     @classmethod
     def load(cls, trusted_dir: Path) -> Keyring:
         keys = {}
-        for path in sorted(trusted_dir.glob("*.pub")) if trusted_dir.is_dir() else []:
+        for path in sorted(trusted_dir.glob(f"*{PUBLIC_SUFFIX}")) if trusted_dir.is_dir() else []:
             public = _read_public(path)
             keys[key_id(public)] = public
         return cls(keys, str(trusted_dir))

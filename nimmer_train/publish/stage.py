@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 import mlflow
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import git_commit, intact_manifest
+from nimmer_train.artifacts import MANIFEST, README, git_commit, intact_manifest
 from nimmer_train.config import Config
 from nimmer_train.errors import NimmerError
+from nimmer_train.loras.adapters import METADATA
 from nimmer_train.publish import mlflow_registry
 from nimmer_train.publish.registry import Registry, Version
 from nimmer_train.publish.release import PublishRequest, publish_version
@@ -53,7 +54,7 @@ def _loras(cfg: Config, base_dir: Path, loras: LoraResult | None) -> list[Path]:
     root = cfg.paths.artifacts_dir() / "loras" / base_dir.name
     for folder in sorted(root.glob("*"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []:
         if intact_manifest(folder):
-            newest[json.loads((folder / "nimmer_adapter.json").read_text())["register"]] = folder
+            newest[json.loads((folder / METADATA).read_text())["register"]] = folder
     return [newest[r] for r in sorted(newest)]
 
 
@@ -61,12 +62,12 @@ def _merge(cfg: Config, loras: LoraResult | None, federation: FederationResult |
     """(adapter to merge, its federation's state file) or (None, None)."""
     p = cfg.publish
     if p.merge_adapter:
+        from nimmer_train.federation.rounds import STATE_FILE
+
         adapter = Path(p.merge_adapter)
-        meta = json.loads((adapter / "nimmer_adapter.json").read_text())
+        meta = json.loads((adapter / METADATA).read_text())
         fp = meta.get("federation", {}).get("fingerprint", "")
-        state = (
-            Path(cfg.paths.workdir).resolve() / "federation" / fp[:12] / "server" / "rounds" / "state.json"
-        )
+        state = Path(cfg.paths.workdir).resolve() / "federation" / fp[:12] / "server" / "rounds" / STATE_FILE
         return adapter, state if fp else None
     if not (p.merge_federated and cfg.federated.enabled):
         return None, None
@@ -126,8 +127,8 @@ def publish_stage(
             finally:
                 registry.close()
             for version in published:
-                mlflow.log_artifact(str(version.folder / "manifest.json"), version.label)
-                mlflow.log_artifact(str(version.folder / "README.md"), version.label)
+                mlflow.log_artifact(str(version.folder / MANIFEST), version.label)
+                mlflow.log_artifact(str(version.folder / README), version.label)
             last = published[-1].row
             mlflow.log_metrics(
                 {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,19 +37,28 @@ class Generation:
     adapter: str | None  # the LoRA applied; None: the bare version
 
 
+# Each ``generate`` argument of the knobs as the HF processor that applies it, in vLLM's order,
+# with the test that leaves out a no-op value. The runtime applies the knobs itself, not through
+# ``generate``'s own warpers, so that the schema mask can run before them (a token the grammar
+# forbids must not take part in top-k / top-p / min-p).
+_PROCESSORS: tuple[tuple[str, Callable[[Any], Any], Callable[[Any], bool]], ...] = (
+    ("repetition_penalty", RepetitionPenaltyLogitsProcessor, lambda v: v != 1.0),
+    ("temperature", TemperatureLogitsWarper, lambda v: True),
+    ("top_k", TopKLogitsWarper, lambda v: v > 0),
+    ("top_p", TopPLogitsWarper, lambda v: v < 1.0),
+    ("min_p", MinPLogitsWarper, lambda v: v > 0),
+)
+# what ``generate`` itself is told: sample, with its own warpers neutral (the knobs are all in
+# the processors, after the schema mask)
+_NEUTRAL_WARPERS = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
 def knob_processors(knobs: SamplingKnobs) -> LogitsProcessorList:
     """The knobs as HF processors, in vLLM's order: repetition penalty, temperature, top-k, top-p, min-p."""
-    out: list[Any] = []
-    if knobs.repetition_penalty != 1.0:
-        out.append(RepetitionPenaltyLogitsProcessor(knobs.repetition_penalty))
-    out.append(TemperatureLogitsWarper(knobs.temperature))
-    if knobs.top_k > 0:
-        out.append(TopKLogitsWarper(knobs.top_k))
-    if knobs.top_p < 1.0:
-        out.append(TopPLogitsWarper(knobs.top_p))
-    if knobs.min_p > 0:
-        out.append(MinPLogitsWarper(knobs.min_p))
-    return LogitsProcessorList(out)
+    kwargs = knobs.generate_kwargs()
+    return LogitsProcessorList(
+        [make(kwargs[name]) for name, make, applies in _PROCESSORS if applies(kwargs[name])]
+    )
 
 
 class LocalModel:
@@ -116,10 +126,7 @@ class LocalModel:
             "input_ids": ids,
             "attention_mask": torch.ones_like(ids),
             "logits_processor": processors,
-            "do_sample": True,
-            "temperature": 1.0,  # the knobs are all in ``processors``, after the schema mask
-            "top_k": 0,
-            "top_p": 1.0,
+            **_NEUTRAL_WARPERS,
             "max_new_tokens": max_new,
             "pad_token_id": self.tokenizer.pad_token_id,
             "eos_token_id": self.tokenizer.eos_token_id,

@@ -118,7 +118,7 @@ def speak_stage(cfg: Config, pipeline: str = "speak") -> SpeakResult:
                 }
                 for t in turns
             ]
-            mlflow.log_table({k: [r[k] for r in rows] for k in rows[0]}, "turns.json")
+            mlflow.log_table({k: [r[k] for r in rows] for k in rows[0]}, TURNS_FILE)
             mlflow.log_metrics(
                 {"turns": len(turns), "mean_turn_seconds": sum(t.seconds for t in turns) / len(turns)}
             )

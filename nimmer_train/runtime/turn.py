@@ -21,7 +21,7 @@ from nimmer_train.voice.prompt_dsl import (
     TurnPrompt,
     validate_reply,
 )
-from nimmer_train.voice.registers import RegistersConfig
+from nimmer_train.voice.registers import Register, RegistersConfig
 
 CONTEXT_SLACK = 24  # chat-template tokens and JSON quoting around the memory items
 
@@ -114,18 +114,55 @@ class NpcRuntime:
         from nimmer_train.memory.player_memory import Mode
 
         mode = mode or Mode.REALWORLD
-        if req.tier not in self.rings:
-            raise NimmerError(f"tier {req.tier!r} has no ring; configured: {', '.join(self.rings)}")
-        ring = self.rings[req.tier]
+        ring = self._ring(req.tier)
         t = {"start": time.perf_counter()}
         name = self.selector(req.npc).update(req.gesture)
         register = self.catalogue.get(name)
         t["select"] = time.perf_counter()
         traits = req.npc_traits or register.traits
+        knobs = self._knobs(req, name, traits)
+        t["knobs"] = time.perf_counter()
+        prompt = self._prompt(req, mode, ring, register, traits, knobs)
+        t["assemble"] = time.perf_counter()
+        attempts = _speak_valid(ring, prompt, register, name, knobs, req.output_schema)
+        w0 = time.perf_counter()
+        if self.memory is not None:  # the spoken line, in the store the mode allows (clasp in-between)
+            self.memory.write(
+                attempts.reply["utterance"], f"npc:{req.npc}", "working", "casual_dialog", mode=mode
+            )
+        end = time.perf_counter()
+        timings = {
+            "select": t["select"] - t["start"],
+            "knobs": t["knobs"] - t["select"],
+            "assemble": t["assemble"] - t["knobs"],
+            "generate": attempts.generate_s,
+            "validate": attempts.validate_s,
+            "write_back": end - w0,
+        }
+        return _turn(req.npc, name, knobs, attempts, end - t["start"], timings)
+
+    def _ring(self, tier: str) -> Ring:
+        if tier not in self.rings:
+            raise NimmerError(f"tier {tier!r} has no ring; configured: {', '.join(self.rings)}")
+        return self.rings[tier]
+
+    def _knobs(self, req: TurnRequest, name: str, traits: dict[str, float]) -> sampling.SamplingKnobs:
+        """The register's knobs for these traits and this affect (the runtime's length cap, if set)."""
         knobs = sampling.for_turn(self.catalogue, name, traits, req.affect.arousal, req.affect.valence)
         if self.max_new_tokens:
             knobs = dataclasses.replace(knobs, max_new_tokens=self.max_new_tokens)
-        t["knobs"] = time.perf_counter()
+        return knobs
+
+    def _prompt(
+        self,
+        req: TurnRequest,
+        mode: Any,
+        ring: Ring,
+        register: Register,
+        traits: dict[str, float],
+        knobs: sampling.SamplingKnobs,
+    ) -> TurnPrompt:
+        """The turn's prompt: the bare prompt first, then the memory that fits beside it."""
         bare = TurnPrompt(
             role=register.role,
             trait_vector=dict(traits),
@@ -137,52 +174,76 @@ class NpcRuntime:
             player_utterance=req.player_utterance,
         )
         scope = self._scope(req, mode, ring, ring.render(bare, register), knobs.max_new_tokens)
-        prompt = dataclasses.replace(bare, memory_scope=scope)
-        t["assemble"] = time.perf_counter()
-        replies: list[RingReply] = []
-        reply: dict[str, Any] | None = None
-        generate_s = validate_s = 0.0
-        last_error: ReplyError | None = None
-        for _ in range(1 if ring.constrained else 2):  # unconstrained output: validate, retry once
-            g0 = time.perf_counter()
-            out = ring.speak(prompt, register, name, knobs)
-            generate_s += time.perf_counter() - g0
-            replies.append(out)
-            if out.error:
-                raise TurnError(out.error, f"ring {out.ring} gave no reply after retries", replies)
-            v0 = time.perf_counter()
-            try:
-                reply = validate_reply(out.text, req.output_schema)
-            except ReplyError as exc:
-                last_error = exc
-            validate_s += time.perf_counter() - v0
-            if reply is not None:
-                break
-        if reply is None:
-            raise TurnError("invalid_output", f"{last_error} (after {len(replies)} attempts)", replies)
-        w0 = time.perf_counter()
-        if self.memory is not None:  # the spoken line, in the store the mode allows (clasp in-between)
-            self.memory.write(reply["utterance"], f"npc:{req.npc}", "working", "casual_dialog", mode=mode)
-        end = time.perf_counter()
-        return Turn(
-            npc=req.npc,
-            register=name,
-            reply=reply,
-            knobs=knobs.as_dict(),
-            ring=out.ring,
-            adapter=out.adapter,
-            attempts=len(replies),
-            prompt_tokens=sum(r.prompt_tokens for r in replies),
-            completion_tokens=sum(r.completion_tokens for r in replies),
-            cost_usd=sum(r.cost_usd for r in replies),
-            feature_compat_warnings=out.feature_compat_warnings,
-            seconds=end - t["start"],
-            timings={
-                "select": t["select"] - t["start"],
-                "knobs": t["knobs"] - t["select"],
-                "assemble": t["assemble"] - t["knobs"],
-                "generate": generate_s,
-                "validate": validate_s,
-                "write_back": end - w0,
-            },
+        return dataclasses.replace(bare, memory_scope=scope)
+
+
+@dataclass
+class _Attempts:
+    """The ring's replies to one turn, the valid reply, and the time spent generating and validating."""
+
+    replies: list[RingReply] = field(default_factory=list)
+    reply: dict[str, Any] = field(default_factory=dict)
+    generate_s: float = 0.0
+    validate_s: float = 0.0
+
+
+def _speak_valid(
+    ring: Ring,
+    prompt: TurnPrompt,
+    register: Register,
+    name: str,
+    knobs: sampling.SamplingKnobs,
+    schema: dict[str, Any],
+) -> _Attempts:
+    """Generate through the ring and validate against ``schema``; unconstrained output gets one
+    retry. A ring error or a second invalid reply raises :class:`TurnError`."""
+    attempts = _Attempts()
+    reply: dict[str, Any] | None = None
+    last_error: ReplyError | None = None
+    for _ in range(1 if ring.constrained else 2):  # unconstrained output: validate, retry once
+        g0 = time.perf_counter()
+        out = ring.speak(prompt, register, name, knobs)
+        attempts.generate_s += time.perf_counter() - g0
+        attempts.replies.append(out)
+        if out.error:
+            raise TurnError(out.error, f"ring {out.ring} gave no reply after retries", attempts.replies)
+        v0 = time.perf_counter()
+        try:
+            reply = validate_reply(out.text, schema)
+        except ReplyError as exc:
+            last_error = exc
+        attempts.validate_s += time.perf_counter() - v0
+        if reply is not None:
+            break
+    if reply is None:
+        raise TurnError(
+            "invalid_output", f"{last_error} (after {len(attempts.replies)} attempts)", attempts.replies
         )
+    attempts.reply = reply
+    return attempts
+
+
+def _turn(
+    npc: str,
+    name: str,
+    knobs: sampling.SamplingKnobs,
+    attempts: _Attempts,
+    seconds: float,
+    timings: dict[str, float],
+) -> Turn:
+    replies, last = attempts.replies, attempts.replies[-1]
+    return Turn(
+        npc=npc,
+        register=name,
+        reply=attempts.reply,
+        knobs=knobs.as_dict(),
+        ring=last.ring,
+        adapter=last.adapter,
+        attempts=len(replies),
+        prompt_tokens=sum(r.prompt_tokens for r in replies),
+        completion_tokens=sum(r.completion_tokens for r in replies),
+        cost_usd=sum(r.cost_usd for r in replies),
+        feature_compat_warnings=last.feature_compat_warnings,
+        seconds=seconds,
+        timings=timings,
+    )

@@ -7,9 +7,9 @@ from pathlib import Path
 import mlflow
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import read_manifest, sha256_file
+from nimmer_train.artifacts import README, read_manifest, sha256_file
 from nimmer_train.config import Config
-from nimmer_train.synth.synthesize import SynthResult, synthesize
+from nimmer_train.synth.synthesize import SAMPLES, SynthResult, synthesize
 
 
 def synthesize_stage(cfg: Config, pipeline: str = "synthesize") -> SynthResult:
@@ -51,9 +51,9 @@ def synthesize_stage(cfg: Config, pipeline: str = "synthesize") -> SynthResult:
                 {k: [s[k] for s in result.samples] for k in result.samples[0]}
                 if result.samples
                 else {"utterance": []},
-                "samples.json",
+                SAMPLES,
             )
-            mlflow.log_artifact(str(result.path / "README.md"), "data_card")
+            mlflow.log_artifact(str(result.path / README), "data_card")
             tracking.log_manifest(result.path, read_manifest(result.path))
     s = result.stats
     print(

@@ -21,6 +21,7 @@ from typing import Any
 from datasets import Dataset, DatasetDict
 
 from nimmer_train.artifacts import (
+    README,
     atomic_dir,
     fingerprint,
     intact_manifest,
@@ -41,6 +42,7 @@ from nimmer_train.voice.registers import RegistersConfig
 log = logging.getLogger(__name__)
 
 SYNTH_VERSION = 1
+SAMPLES = "samples.json"  # three kept turns per register, for the data card and MLflow
 _NOT_SEMANTIC = (
     "concurrency",
     "timeout_s",
@@ -117,7 +119,7 @@ def _locate(
     manifest = intact_manifest(out)
     if manifest is None:
         return fp, out, None
-    samples = json.loads((out / "samples.json").read_text())
+    samples = json.loads((out / SAMPLES).read_text())
     return fp, out, SynthResult(out, fp, manifest["lineage"]["stats"], True, samples)
 
 
@@ -175,8 +177,8 @@ def synthesize(
         )
         stats["splits"] = {name: len(part) for name, part in split.items()}
         write_json_atomic(staging / "stats.json", stats)
-        write_json_atomic(staging / "samples.json", samples)
-        (staging / "README.md").write_text(_card(spec, teacher_cfg, teacher.model, stats, samples))
+        write_json_atomic(staging / SAMPLES, samples)
+        (staging / README).write_text(_card(spec, teacher_cfg, teacher.model, stats, samples))
         write_manifest(
             staging,
             "synth",

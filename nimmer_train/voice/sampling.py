@@ -19,6 +19,19 @@ class SamplingKnobs:
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
 
+    def generate_kwargs(self) -> dict[str, bool | float | int]:
+        """The knobs as transformers ``generate`` keyword arguments, sampling on; every in-process
+        decoder starts from these (the LoRA trainer's samples, the hf_local teacher, the runtime's
+        logits processors). ``max_new_tokens`` is left to the caller: each bounds length its own way."""
+        return {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "repetition_penalty": self.repetition_penalty,
+            "min_p": self.min_p,
+        }
+
 
 def baseline(catalogue: RegistersConfig, register: str) -> SamplingKnobs:
     """A register's baseline from the design's scene-to-sampling table."""

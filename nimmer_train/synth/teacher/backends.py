@@ -216,12 +216,7 @@ class HFLocal:
             with self.torch.no_grad():
                 out = self.lm.generate(
                     **enc,
-                    do_sample=True,
-                    temperature=knobs.temperature,
-                    top_p=knobs.top_p,
-                    top_k=knobs.top_k,
-                    min_p=knobs.min_p,
-                    repetition_penalty=knobs.repetition_penalty,
+                    **knobs.generate_kwargs(),
                     max_new_tokens=self.cfg.max_new_tokens,
                     pad_token_id=self.tokenizer.pad_token_id,
                 )

@@ -1,0 +1,322 @@
+"""A real Flower deployment on loopback for tests: TLS certificates made here, one SuperLink and
+N SuperNodes as processes, the `flwr` CLI with its own FLWR_HOME, and a bounded shutdown
+(SIGTERM to nodes then SuperLink and everything they started, SIGKILL after a grace period).
+
+Every ``timeout`` here is a hang guard sized for a loaded two-core machine, never a speed bound;
+the shutdown grace is different: the deployment test asserts that shutdown is bounded."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BIN = Path(sys.executable).parent
+CONNECTION = "loopback"
+
+
+def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for 127.0.0.1/localhost: (ca.crt, server.crt, server.key)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nimmer-test-ca")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = folder / "ca.crt", folder / "server.crt", folder / "server.key"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    )
+    return paths
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def flower_env(home: Path) -> dict[str, str]:
+    """SuperLink and SuperNode start `flower-superexec` by name; nothing may call out."""
+    home.mkdir(parents=True, exist_ok=True)
+    return {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+@dataclass
+class Deployment:
+    work: Path
+    ca: Path
+    port: int
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    killed: list[int] = field(default_factory=list)  # pids that ignored SIGTERM at shutdown
+
+    def cli(self, *args: str, timeout: float = 300) -> dict[str, Any]:
+        proc = subprocess.run(
+            [str(BIN / "flwr"), *args, "--format", "json"],
+            env=flower_env(self.work / "home-cli"),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        out = proc.stdout
+        try:
+            return json.loads(out[out.index("{") :])
+        except ValueError as exc:
+            raise AssertionError(f"flwr {' '.join(args)} ({proc.returncode}):\n{out}\n{proc.stderr}") from exc
+
+    def wait_nodes(self, n: int, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            nodes = self.cli("supernode", "list", CONNECTION).get("nodes", [])
+            if sum(node.get("status") == "online" for node in nodes) >= n:
+                return
+            assert time.monotonic() < deadline, f"only {nodes} online after {timeout} s"
+            time.sleep(0.5)
+
+    def run(self, app: Path, run_config: str, timeout: float = 20 * 60) -> dict[str, Any]:
+        """Submit the app, wait until the run finishes; the run's last status record."""
+        started = self.cli("run", str(app), CONNECTION, "--run-config", run_config)
+        assert started.get("success"), started
+        run_id = str(started["run-id"])
+        deadline = time.monotonic() + timeout
+        while True:
+            run = self.cli("ls", CONNECTION, "--run-id", run_id)["runs"][0]
+            if run["status"].startswith("finished"):
+                if run["status"] != "finished:completed":
+                    log = subprocess.run(
+                        [str(BIN / "flwr"), "log", run_id, CONNECTION, "--show"],
+                        env=flower_env(self.work / "home-cli"),
+                        capture_output=True,
+                        text=True,
+                        timeout=300,
+                    )
+                    raise AssertionError(f"run {run_id}: {run}\n{log.stdout[-6000:]}")
+                return run
+            assert time.monotonic() < deadline, f"run {run_id} still {run['status']} after {timeout} s"
+            time.sleep(1)
+
+
+def _tree(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop(processes: list[subprocess.Popen], grace: float = 15) -> list[int]:
+    """SIGTERM the processes and all they started; SIGKILL what is left after ``grace``.
+    Returns the pids that had to be killed."""
+    pids = [p.pid for p in processes] + [c for p in processes for c in _tree(p.pid)]
+    for p in processes:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        for p in processes:
+            p.poll()
+        time.sleep(0.1)
+    killed = [pid for pid in pids if _alive(pid)]
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    for p in processes:
+        p.wait(timeout=10)
+    return killed
+
+
+@contextmanager
+def deployment(work: Path, node_configs: list[str]) -> Iterator[Deployment]:
+    """A TLS SuperLink and one SuperNode per node config, all on loopback."""
+    ca, cert, key = make_certificates(work / "certs")
+    port, *node_ports = free_ports(1 + len(node_configs))
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    d = Deployment(work, ca, port)
+    superlink = [
+        str(BIN / "flower-superlink"),
+        *("--ssl-ca-certfile", str(ca), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)),
+        *("--host", "127.0.0.1", "--port", str(port), "--database", str(work / "superlink.db")),
+        *("--isolation", "subprocess", "--disable-runtime-dependency-installation"),
+    ]
+    nodes = []
+    try:
+        d.processes.append(_start(superlink, work / "home-superlink", logs / "superlink.log"))
+        _wait_healthy(port, ca)
+        for i, (node_port, node_config) in enumerate(zip(node_ports, node_configs, strict=True)):
+            command = [
+                str(BIN / "flower-supernode"),
+                *("--root-certificates", str(ca), "--superlink", f"127.0.0.1:{port}"),
+                *("--host", "127.0.0.1", "--port", str(node_port), "--node-config", node_config),
+            ]
+            nodes.append(_start(command, work / f"home-node{i}", logs / f"supernode{i}.log"))
+        home = work / "home-cli"
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+            f'address = "127.0.0.1:{port}"\nroot-certificates = "{ca}"\n'
+        )
+        yield d
+    finally:
+        d.killed = stop(nodes) + stop(d.processes)
+        d.processes += nodes
+
+
+def _start(command: list[str], home: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        command,
+        env=flower_env(home),
+        cwd=home,
+        stdout=open(log, "w"),  # noqa: SIM115 - closed with the process
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _wait_healthy(port: int, ca: Path, timeout: float = 600) -> None:
+    context = ssl.create_default_context(cafile=str(ca))
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", context=context, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"the SuperLink did not answer over TLS within {timeout} s"
+        time.sleep(0.2)
+
+
+def tiny_release(folder: Path) -> tuple[Path, Path, int]:
+    """A tiny published base (tokenizer trained here) and a register adapter on it:
+    (base dir, adapter dir, base parameter count)."""
+    from peft import LoraConfig, get_peft_model
+
+    from nimmer_train.artifacts import write_json_atomic, write_manifest
+    from nimmer_train.base.modeling import build_model, count_parameters
+    from nimmer_train.base.tokenizer import train_bpe
+    from nimmer_train.config import ModelConfig
+    from nimmer_train.federation.client import example_text
+    from nimmer_train.loras.adapters import METADATA, base_identity
+    from nimmer_train.memory.synthetic import heldout_examples
+
+    tokenizer = train_bpe([example_text(e) for e in heldout_examples(2000, seed=1)], 512, 256)
+    model = build_model(
+        ModelConfig(name="tiny"), len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, 0
+    )
+    base = folder / "base" / "tiny-release"
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    write_manifest(base, "base", "test", {})
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    adapter = folder / "adapter"
+    peft.save_pretrained(adapter)
+    write_json_atomic(adapter / METADATA, {"register": "caste-preacher", "base": base_identity(base)})
+    write_manifest(adapter, "register_adapter", "test", {})
+    return base, adapter, count_parameters(model)
+
+
+class Background(threading.Thread):
+    """``job(work)`` in a thread; :meth:`outcome` joins it and returns its result or raises its
+    error. For deployment runs that mostly wait on Flower's polling: the suite goes on meanwhile."""
+
+    def __init__(self, job: Any, work: Path) -> None:
+        super().__init__(daemon=True)
+        self.job, self.work = job, work
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.job(self.work)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test that reads it
+            self.error = exc
+
+    def outcome(self, timeout: float) -> Any:
+        self.join(timeout)
+        assert not self.is_alive(), f"the background deployment did not finish within {timeout} s"
+        if self.error is not None:
+            raise self.error
+        return self.result
