@@ -5,13 +5,14 @@ nimmer memory generate PLAYER_DIR [--seed N] [--entries N]
 nimmer versions [--releases DIR] [--trusted-keys DIR] list | show V | verify V | promote V
 nimmer keys generate PRIVATE_KEY [--trust DIR]
 nimmer keys trust PUBLIC_KEY DIR
-nimmer serve [--releases DIR] [--version production] [--host 127.0.0.1] [--port 8000]
+nimmer serve [--releases DIR] [--version production] [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nimmer_train.errors import NimmerError
+from nimmer_train.publish.listing import print_versions
 
 
 def inspect_player(folder: Path) -> dict:
@@ -58,40 +60,6 @@ def inspect_player(folder: Path) -> dict:
         db.close()
     report["clasp"] = "not inspectable by design (read only by in-between retrieval)"
     return report
-
-
-def print_versions(releases: Path) -> None:
-    """The registry's versions as a table (``nimmer versions list``)."""
-    from nimmer_train.publish.registry import Registry
-
-    registry = Registry.open(releases)
-    try:
-        aliases: dict[str, list[str]] = {}
-        for alias, label in registry.aliases().items():
-            aliases.setdefault(label, []).append(alias)
-        header = ("version", "released_at", "epsilon", "contributors", "loras", "parent", "mlflow", "aliases")
-        rows = [header]
-        parents = {v.id: v.label for v in registry.versions()}
-        for v in registry.versions():
-            r = v.row
-            eps = r["differential_privacy_epsilon"]
-            rows.append(
-                (
-                    v.label,
-                    r["released_at"],
-                    "-" if eps is None else f"{eps:.3f}",
-                    str(r["contributors_count"]),
-                    str(len(registry.loras_for(v))),
-                    parents.get(r["parent_version_id"], "-"),
-                    r["mlflow_model_version"] or "-",
-                    ",".join(sorted(aliases.get(v.label, []))) or "-",
-                )
-            )
-    finally:
-        registry.close()
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def show_version(releases: Path, name: str) -> dict[str, Any]:
@@ -167,16 +135,40 @@ def _versions(args: argparse.Namespace) -> int:
     return 0
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve_api_key(host: str, api_key_env: str | None) -> str | None:
+    """The bearer token ``nimmer serve`` requires (from the environment variable named), or
+    None on loopback without one; binding beyond loopback without a token is refused."""
+    if api_key_env:
+        key = os.environ.get(api_key_env, "")
+        if len(key) < 16:
+            raise NimmerError(
+                f"--api-key-env {api_key_env}: the variable is unset or shorter than 16 characters; "
+                "set it to a long random token (`python -c 'import secrets; print(secrets.token_hex())'`)"
+            )
+        return key
+    if host not in LOOPBACK:
+        raise NimmerError(
+            f"--host {host} binds beyond loopback: anyone who reaches it could use the model; "
+            "pass --api-key-env VAR (clients send Authorization: Bearer $VAR) or bind 127.0.0.1"
+        )
+    return None
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from nimmer_train.runtime.local_model import LocalModel
     from nimmer_train.runtime.openai_server import create_app, model_ids
 
+    api_key = serve_api_key(args.host, args.api_key_env)
     trusted = args.trusted_keys or args.releases.parent / "keys" / "trusted"
     model = LocalModel.open(args.releases, args.version, trusted)
-    print(f"serving {', '.join(model_ids(model))} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(create_app(model), host=args.host, port=args.port, log_level="warning")
+    auth = " (bearer token required)" if api_key else ""
+    print(f"serving {', '.join(model_ids(model))} on http://{args.host}:{args.port}/v1{auth}", flush=True)
+    uvicorn.run(create_app(model, api_key=api_key), host=args.host, port=args.port, log_level="warning")
     return 0
 
 
@@ -272,6 +264,12 @@ def _add_serve(groups: Any) -> None:
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key-env",
+        default=None,
+        help="environment variable holding a bearer token every request must send; "
+        "required to bind beyond loopback",
+    )
 
 
 def _memory(args: argparse.Namespace) -> int:

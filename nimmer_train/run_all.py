@@ -25,6 +25,7 @@ inference: it writes ``runtime/turns.json`` atomically each time it runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nimmer_train import tracking
@@ -79,3 +80,31 @@ def run_all(cfg: Config) -> RunAllResult:
 
             speak = speak_stage(cfg, pipeline="run_all")
     return RunAllResult(corpus, synth, base, loras, federation, published, speak)
+
+
+def print_summary(cfg: Config, result: RunAllResult) -> None:
+    """What run_all produced, the published versions and how to review the runs."""
+    versions = result.publish.versions if result.publish else []
+    print("\nProduced:")
+    print(f"  corpus dataset + data card  {result.corpus.path}")
+    print(f"  synthetic r0/r1 + data card {result.synth.path}")
+    print(f"  base model (HF folder)      {result.base.path}")
+    print(f"  register LoRAs (PEFT)       {result.loras.root}")
+    if result.federation:
+        print(f"  federated adapter (PEFT)    {result.federation.adapter}")
+    for version in versions:
+        print(f"  {version.label:<27} {version.folder}")
+    if result.loras.evaluation:
+        ev = result.loras.evaluation
+        sep, gain = ev.headline.separability, ev.headline.mean_gain
+        print(
+            f"  register separability {sep.value:.2f} [{sep.low:.2f}, {sep.high:.2f}], mean held-out "
+            f"loss gain {gain.value:.3f} [{gain.low:.3f}, {gain.high:.3f}] (utterance tokens)"
+        )
+    if versions:
+        from nimmer_train.publish.listing import print_versions
+
+        print(f"\n$ nimmer versions --releases {cfg.publish.releases_dir} list")
+        print_versions(Path(cfg.publish.releases_dir))
+    if cfg.tracking.enabled:
+        print(f"\nReview the runs:\n  {tracking.ui_command(cfg.tracking)}")

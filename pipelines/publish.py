@@ -8,7 +8,7 @@ from pipelines.entry import pipeline
 
 @pipeline
 def main(cfg: Config) -> None:
-    from nimmer_train.cli import print_versions
+    from nimmer_train.publish.listing import print_versions
     from nimmer_train.publish.stage import publish_stage  # after the config check
 
     publish_stage(cfg)

@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Protocol
 
-from nimmer_train.backup.sealing import BackupError, Sealed
+from nimmer_train.backup.device import account_id, small_order
+from nimmer_train.backup.sealing import UUID_RE, BackupError, Sealed
 
 SCHEMA = """
+CREATE TABLE IF NOT EXISTS devices (
+    backup_account_id TEXT PRIMARY KEY,   -- derived from the device public key (backup/device.py)
+    public_key BLOB NOT NULL UNIQUE,      -- raw Ed25519, 32 bytes
+    registered_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS request_nonces (  -- replay protection for signed requests
+    backup_account_id TEXT NOT NULL,
+    nonce TEXT NOT NULL,
+    seen_at REAL NOT NULL,
+    PRIMARY KEY (backup_account_id, nonce)
+);
 CREATE TABLE IF NOT EXISTS player_lora_backups (
     backup_id TEXT PRIMARY KEY,
     backup_account_id TEXT NOT NULL,
@@ -29,6 +41,14 @@ CREATE TABLE IF NOT EXISTS player_lora_backups (
     UNIQUE (backup_account_id, lora_name, lora_version)
 );
 """
+
+
+class BackupConflict(BackupError):
+    """The account already holds this LoRA version (or this backup id)."""
+
+
+class BackupNotFound(BackupError):
+    """No such backup in the asking account (another account's backups are not revealed)."""
 
 
 class BlobStore(Protocol):
@@ -44,22 +64,31 @@ class LocalBlobs:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
 
+    def _path(self, key: str) -> Path:
+        if not UUID_RE.fullmatch(key):
+            raise BackupError(f"blob key {key!r} is not a backup id")
+        return self.folder / key
+
     def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
         tmp = self.folder / f".{key}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        tmp.replace(self.folder / key)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def get(self, key: str) -> bytes:
-        path = self.folder / key
+        path = self._path(key)
         if not path.exists():
             raise BackupError(f"backup blob {key} is missing from {self.folder}")
         return path.read_bytes()
 
     def delete(self, key: str) -> None:
-        (self.folder / key).unlink(missing_ok=True)
+        self._path(key).unlink(missing_ok=True)
 
 
 class BackupStore:
@@ -69,41 +98,83 @@ class BackupStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
         self.blobs = blobs
+        self.lock = threading.Lock()  # one connection shared by the service's worker threads
+
+    def register(self, public_raw: bytes) -> str:
+        """The account of a device public key, created on first registration (idempotent)."""
+        if len(public_raw) != 32:
+            raise BackupError("a device public key is 32 raw bytes (Ed25519)")
+        if small_order(public_raw):
+            raise BackupError("the public key is a point of small order: anyone could sign for it")
+        account = account_id(public_raw)
+        with self.lock:
+            self.db.execute(
+                "INSERT OR IGNORE INTO devices VALUES (?, ?, ?)", (account, public_raw, time.time())
+            )
+        return account
+
+    def public_key(self, account: str) -> bytes | None:
+        with self.lock:
+            row = self.db.execute(
+                "SELECT public_key FROM devices WHERE backup_account_id = ?", (account,)
+            ).fetchone()
+        return None if row is None else bytes(row[0])
+
+    def use_nonce(self, account: str, nonce: str, now: float, window_s: float) -> bool:
+        """Record a request nonce; False if the account already used it within the window."""
+        with self.lock:
+            self.db.execute("DELETE FROM request_nonces WHERE seen_at < ?", (now - window_s,))
+            try:
+                self.db.execute("INSERT INTO request_nonces VALUES (?, ?, ?)", (account, nonce, now))
+            except sqlite3.IntegrityError:
+                return False
+        return True
 
     def put(self, account: str, blob: bytes) -> str:
-        """Store a sealed backup; the metadata comes from the blob's own plain part."""
+        """Store a sealed backup in ``account``; the metadata comes from the blob's own plain part,
+        checked in full before anything is written. Any failure leaves neither row nor blob."""
         sealed = Sealed.from_bytes(blob)
         meta = sealed.metadata
-        try:
-            name, version, size = str(meta["lora_name"]), int(meta["lora_version"]), int(meta["size_bytes"])
-        except (KeyError, ValueError) as exc:
-            raise BackupError(
-                "a sealed backup needs lora_name, lora_version and size_bytes metadata"
-            ) from exc
-        backup_id = str(uuid.uuid4())
-        self.blobs.put(backup_id, blob)  # blob first: a row never points at nothing
-        try:
-            self.db.execute(
-                "INSERT INTO player_lora_backups VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (backup_id, account, name, version, sealed.method, time.time(), size),
-            )
-        except sqlite3.IntegrityError as exc:
-            self.blobs.delete(backup_id)
-            raise BackupError(f"{name} version {version} is already backed up for this account") from exc
+        if meta["account"] != account:
+            raise BackupError("the sealed backup names another backup account than the one it is uploaded to")
+        backup_id, name, version = meta["backup_id"], meta["lora_name"], meta["lora_version"]
+        with self.lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.execute(
+                    "INSERT INTO player_lora_backups VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (backup_id, account, name, version, sealed.method, time.time(), meta["size_bytes"]),
+                )
+                self.blobs.put(backup_id, blob)  # inside the transaction: a row never points at nothing
+                self.db.execute("COMMIT")
+            except sqlite3.IntegrityError as exc:
+                self.db.execute("ROLLBACK")
+                raise BackupConflict(
+                    f"{name} version {version} is already backed up for this account"
+                ) from exc
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                self.blobs.delete(backup_id)
+                raise
         return backup_id
 
-    def get(self, backup_id: str) -> bytes:
-        if not self.db.execute(
-            "SELECT 1 FROM player_lora_backups WHERE backup_id = ?", (backup_id,)
-        ).fetchone():
-            raise BackupError(f"no backup {backup_id}")
+    def get(self, account: str, backup_id: str) -> bytes:
+        """The blob of ``backup_id`` if ``account`` owns it."""
+        with self.lock:
+            row = self.db.execute(
+                "SELECT 1 FROM player_lora_backups WHERE backup_id = ? AND backup_account_id = ?",
+                (backup_id, account),
+            ).fetchone()
+        if not row:
+            raise BackupNotFound(f"no backup {backup_id} in this account")
         return self.blobs.get(backup_id)
 
     def list(self, account: str) -> list[dict]:
-        rows = self.db.execute(
-            "SELECT backup_id, lora_name, lora_version, encryption_method, backed_up_at, size_bytes "
-            "FROM player_lora_backups WHERE backup_account_id = ? ORDER BY lora_name, lora_version",
-            (account,),
-        ).fetchall()
+        with self.lock:
+            rows = self.db.execute(
+                "SELECT backup_id, lora_name, lora_version, encryption_method, backed_up_at, size_bytes "
+                "FROM player_lora_backups WHERE backup_account_id = ? ORDER BY lora_name, lora_version",
+                (account,),
+            ).fetchall()
         keys = ("backup_id", "lora_name", "lora_version", "encryption_method", "backed_up_at", "size_bytes")
         return [dict(zip(keys, row, strict=True)) for row in rows]

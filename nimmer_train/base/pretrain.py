@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,19 +76,47 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> Lambda
     return LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
 
 
+def validation_indices(n: int, cfg: TrainConfig) -> np.ndarray:
+    """The validation blocks scored: every one of the ``n``, or with ``cfg.eval_batches`` a
+    stratified sample of ``eval_batches * micro_batch_size`` blocks evenly spaced over them (the
+    blocks run work by work, so each work keeps its share). It never depends on the processes."""
+    if cfg.eval_batches is None or cfg.eval_batches * cfg.micro_batch_size >= n:
+        return np.arange(n)
+    k = cfg.eval_batches * cfg.micro_batch_size
+    return ((np.arange(k) + 0.5) * n / k).astype(np.int64)
+
+
+def validation_totals(
+    model: torch.nn.Module, blocks: torch.Tensor, cfg: TrainConfig, rank: int, world: int, device: Any
+) -> torch.Tensor:
+    """(summed token loss, tokens) of this process's share of the scored validation blocks.
+
+    Micro-batch b of the scored blocks goes to process b % world, so the batches are the same for
+    any number of processes; every process runs the same number of forward passes (a process with
+    no batch left scores a block with weight 0), as DDP and FSDP need."""
+    scored = blocks[torch.from_numpy(validation_indices(len(blocks), cfg))]
+    micro = cfg.micro_batch_size
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for step in range(math.ceil(len(scored) / (micro * world))):
+        first = (step * world + rank) * micro
+        x = scored[first : first + micro]
+        weight = len(x) * (scored.shape[1] - 1)  # predicted tokens: all but each block's first
+        x = (x if len(x) else scored[:1]).to(device)
+        loss = model(input_ids=x, labels=x).loss.double()
+        total += torch.stack([loss * weight, torch.tensor(float(weight), dtype=torch.float64, device=device)])
+    return total
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module, blocks: torch.Tensor, cfg: TrainConfig, accelerator: Accelerator
 ) -> float:
-    """Mean token loss on the first ``eval_batches`` micro-batches per process of ``blocks``."""
+    """Mean token loss over every validation block (or the stratified sample ``eval_batches``
+    asks for), the same figure for 1 or N processes."""
     model.eval()
-    world, rank = accelerator.num_processes, accelerator.process_index
-    mine = blocks[rank::world][: cfg.eval_batches * cfg.micro_batch_size]
-    total = torch.zeros(2, device=accelerator.device)
-    for start in range(0, len(mine), cfg.micro_batch_size):
-        x = mine[start : start + cfg.micro_batch_size].to(accelerator.device)
-        loss = model(input_ids=x, labels=x).loss
-        total += torch.stack([loss.float() * len(x), torch.tensor(float(len(x)), device=total.device)])
+    total = validation_totals(
+        model, blocks, cfg, accelerator.process_index, accelerator.num_processes, accelerator.device
+    )
     total = accelerator.reduce(total, reduction="sum")
     model.train()
     return (total[0] / total[1].clamp(min=1)).item()

@@ -18,6 +18,15 @@ from typing import Any
 from nimmer_train.errors import ConfigError
 
 TIER_CHOICES = ("A1_federated", "A2_anonymized", "opt_out")
+# SecAgg+ (flwr's SecAggPlusWorkflow): each node quantises every coordinate to an integer in
+# [0, QUANTIZATION_RANGE] and its weight factor to QUANTIZATION_RANGE (max_weight 1); the server
+# sums them modulo MODULUS_RANGE. n nodes' sum stays below the modulus only while
+# n * QUANTIZATION_RANGE < MODULUS_RANGE: at 1024 nodes (2^32 / 2^22) the weight factors alone
+# sum to 2^32 = 0 and the aggregate overflows. Flower documents the modulus as at most 2^32, so it
+# is not widened: a round never takes more than SECAGG_MAX_NODES nodes.
+SECAGG_QUANTIZATION_RANGE = 2**22
+SECAGG_MODULUS_RANGE = 2**32
+SECAGG_MAX_NODES = SECAGG_MODULUS_RANGE // SECAGG_QUANTIZATION_RANGE - 1  # 1023
 FAULTS = ("crash", "nan", "wrong_shape", "wrong_dtype")
 PLACES = ("base_dir", "work_dir", "out_dir", "a2_pool", "tracking_uri")  # deployed server's run config
 SIMULATION_ONLY = ("enabled", "register", "contributors", "population", "entries_per_player", "faults")
@@ -42,21 +51,27 @@ class FederatedConfig:
     secagg_threshold: float = 0.5
     # A.1 user-level DP: clipped on the client, Gaussian noise on the sum at the server
     clipping_norm: float = 10.0  # local DP-SGD noise dominates an update's norm; clip above it
-    noise_multiplier: float = 1.0
+    noise_multiplier: float = 1.0  # 0 only with no_privacy
     # local DP-SGD, on every A.1 device and on the server-operated A.2 client
     local_steps: int = 6
     batch_size: int = 16
     lr: float = 3.0  # SGD on clipped per-sample gradients: the step is lr * dp_max_grad_norm
     max_length: int = 48  # tokens per example
-    max_examples: int = 256  # examples a contributor trains on at most (also caps its count)
-    dp_noise_multiplier: float = 1.0
+    # examples a device trains on at most; the A.2 pool trains on all of its examples at the public
+    # Poisson rate batch_size / max_examples (its size stays out of its epsilon)
+    max_examples: int = 256
+    dp_noise_multiplier: float = 1.0  # 0 only with no_privacy
     dp_max_grad_norm: float = 0.1
     grad_sample_mode: str = "hooks"  # hooks | ghost (Opacus ghost clipping)
     # A.2 anonymised pool
     a2_k: int = 2  # the intake refuses to train with fewer uploads than this
+    # the pool's published counts (uploads, examples per category): Gaussian noise of std
+    # count_noise_multiplier * sqrt(2) on each, one step of the A.2 record-level ledger
+    count_noise_multiplier: float = 5.0  # 0 only with no_privacy
     # accounting
     delta: float = 1.0e-5
     epsilon_budget: float | None = None  # stop before a round that would pass it (A.1 or A.2)
+    no_privacy: bool = False  # an experiment without DP: noise multipliers may be 0, no epsilon published
     # server-side held-out evaluation: a synthetic player generated on the server, never a contributor
     heldout_examples: int = 64
     # simulation: virtual contributors built from synthetic players
@@ -81,8 +96,9 @@ class FederatedConfig:
                 raise ConfigError(f"federated.{name}", "must be >= 1")
         if not 0 < self.fraction_fit <= 1:
             raise ConfigError("federated.fraction_fit", "must be in (0, 1]")
-        if self.clipping_norm <= 0 or self.noise_multiplier < 0 or self.dp_noise_multiplier < 0:
-            raise ConfigError("federated.clipping_norm", "clipping_norm > 0 and noise multipliers >= 0")
+        if self.clipping_norm <= 0:
+            raise ConfigError("federated.clipping_norm", "must be > 0")
+        self._check_noise()
         if not 0 < self.delta < 1:
             raise ConfigError("federated.delta", "must be in (0, 1)")
         if self.grad_sample_mode not in ("hooks", "ghost"):
@@ -99,6 +115,13 @@ class FederatedConfig:
             self.secagg_threshold > 1
         ) and self.secagg_threshold > self.secagg_shares:
             raise ConfigError("federated.secagg_threshold", "cannot exceed federated.secagg_shares")
+        if self.secure_aggregation and self.contributors + 1 > SECAGG_MAX_NODES:
+            raise ConfigError(
+                "federated.contributors",
+                f"{self.contributors} contributors and the A.2 node make {self.contributors + 1} SecAgg+ "
+                f"nodes; SecAgg+'s masked sum overflows its modulus 2^32 at 1024 (quantisation range 2^22 "
+                f"per node): at most {SECAGG_MAX_NODES} nodes per round",
+            )
         for tier in self.population:
             if tier not in TIER_CHOICES:
                 raise ConfigError("federated.population", f"{tier!r} is not one of {', '.join(TIER_CHOICES)}")
@@ -109,6 +132,28 @@ class FederatedConfig:
                     "federated.faults",
                     f"{drill!r}: want <fault>@<partition>.<round>, a fault in {', '.join(FAULTS)}",
                 )
+
+    def _check_noise(self) -> None:
+        """Every DP mechanism's noise multiplier is > 0, unless ``no_privacy`` says this
+        experiment makes no privacy claim (then no epsilon is published and no budget applies)."""
+        noises = {
+            "noise_multiplier": self.noise_multiplier,
+            "dp_noise_multiplier": self.dp_noise_multiplier,
+            "count_noise_multiplier": self.count_noise_multiplier,
+        }
+        for name, value in noises.items():
+            if value < 0:
+                raise ConfigError(f"federated.{name}", "must be >= 0")
+            if value == 0 and not self.no_privacy:
+                raise ConfigError(
+                    f"federated.{name}",
+                    "0 means no noise and no privacy guarantee (epsilon infinite); use a noise multiplier "
+                    "> 0, or set federated.no_privacy=true for an experiment that publishes no epsilon",
+                )
+        if self.no_privacy and self.epsilon_budget is not None:
+            raise ConfigError(
+                "federated.epsilon_budget", "a budget means nothing with federated.no_privacy=true"
+            )
 
     def drills(self) -> dict[int, dict[int, str]]:
         """{partition: {round: fault}} from ``faults``."""

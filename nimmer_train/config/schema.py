@@ -153,7 +153,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     eval_every: int = 50
-    eval_batches: int = 16
+    eval_batches: int | None = None  # null: every validation block; N: a stratified sample of N batches
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     log_every: int = 10
@@ -172,7 +172,7 @@ class TrainConfig:
             "eval_batches",
         )
         for name in positive:
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
         if self.launcher not in ("local", "torchrun", "accelerate"):
             raise ConfigError(
@@ -208,7 +208,7 @@ class CurationConfig:
     near_dup_threshold: float = 0.8
     leakage_ngram: int = 8
     consistency_tolerance: float = 0.0  # accept when best rival - own similarity <= this
-    validation_fraction: float = 0.1  # r1 rows held out, chosen by request hash
+    validation_fraction: float = 0.1  # share of the scenes held out (ceil; at least one, never all)
     checks: list[str] = field(
         default_factory=lambda: ["reply", "length", "language", "leakage", "register", "near_duplicate"]
     )
@@ -232,7 +232,7 @@ class LoraConfig:
     literary_weight: float = 0.25  # literary passages per r1 conversation in the training mix
     literary_chars: int = 600
     eval_max_examples: int = 32
-    sample_max_new_tokens: int = 60
+    sample_max_new_tokens: int = 224  # room for a whole reply: samples stop at the end-of-turn token
     seed: int = 0
     base_dir: str | None = None  # a published base folder; null: the one this config builds
 
@@ -272,7 +272,7 @@ class RuntimeConfig:
     decay: float = 0.8  # gesture accumulator: weight of the past per turn
     margin: float = 0.1  # hysteresis: a challenger must win by more than this...
     patience: int = 3  # ... on this many consecutive turns
-    max_new_tokens: int = 128
+    max_new_tokens: int = 224  # every training reply fits, within bounded()'s caps too (docs/config.md)
     seed: int = 0
 
 

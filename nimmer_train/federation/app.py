@@ -33,7 +33,9 @@ def client_app(
     drills: Callable[[Context], dict[int, str]] | None = None,
     extra_mods: list[Any] | None = None,
 ) -> ClientApp:
-    """A ClientApp whose updates are validated, clipped, count-weighted and (by default) masked.
+    """A ClientApp whose updates are validated, turned into clipped contributions (update and A.1
+    indicator), equally weighted, stripped of every plaintext metric but the A.2 step, and (by
+    default) masked.
 
     With ``secure_aggregation`` the client cannot send an unmasked update: a plain fit request
     fails in ``secaggplus_mod``. Only a simulation may turn it off.

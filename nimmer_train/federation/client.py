@@ -3,8 +3,13 @@
 A node is either a player's device (A.1: its examples come only from the consent filter for
 tier A1_federated, read from the device's own stores) or the server-operated A.2 client (its
 examples come from the anonymised intake pool, once at least k uploads are pooled). Both train
-the global adapter with local DP-SGD and return only the LoRA tensors; the device also returns
-its pseudonymous contributor id, never anything about the player.
+the global adapter with local DP-SGD and return only the LoRA tensors. Nothing else about the
+node leaves it in plaintext: not its contributor id, not its consent tier, not its example count.
+Whether its update is a real A.1 update travels only inside the masked vector (the A.1
+indicator, set by ``mods.clip_mod`` from the private ``a1-update`` note below, which the mods
+strip). Only the server-operated A.2 node reports its DP-SGD step (the server runs it anyway);
+that step depends on the settings only (public rate, every pooled example: see local_training),
+and the server accepts no other.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy as np
 from flwr.client import NumPyClient
 
 from nimmer_train.errors import NimmerError
+from nimmer_train.federation.wire import A1_UPDATE
 from nimmer_train.memory.consent import contributor_id, get_consent, read_profile, training_examples
 from nimmer_train.memory.embedding import NoEmbedder
 from nimmer_train.memory.player_memory import PlayerMemory
@@ -114,14 +120,15 @@ class Contributor(NumPyClient):
             dp_noise_multiplier=float(config["dp-noise-multiplier"]),
             dp_max_grad_norm=float(config["dp-max-grad-norm"]),
             grad_sample_mode=str(config["grad-sample-mode"]),
-            seed=int(config["seed"]) + server_round,
+            seed=int(config["seed"]) + server_round,  # data order and initialisation only, never DP noise
+            public_rate=self.node.a2_pool is not None,  # the pool's size stays out of its accounting
         )
         if self.node.a2_pool is not None:
-            texts, ident = pool_examples(self.node.a2_pool, int(config["a2-k"])), "a2-pool"
+            texts = pool_examples(self.node.a2_pool, int(config["a2-k"]))
             accountant = self.node.a2_pool.parent / POOL_ACCOUNTANT
         else:
             assert self.node.device is not None
-            texts, ident = device_examples(self.node.device)
+            texts, _ = device_examples(self.node.device)
             accountant = self.node.device / DEVICE_ACCOUNTANT
         result = train_locally(
             self.node.base_dir,
@@ -133,14 +140,15 @@ class Contributor(NumPyClient):
             float(config["delta"]),
             str(config["spec-digest"]),
         )
-        metrics: dict[str, Any] = {"contributor": ident} if ident else {}
+        metrics: dict[str, Any] = {}
+        if self.node.device is not None and result.steps:  # a real A.1 update: for clip_mod only
+            metrics[A1_UPDATE] = 1
         if self.node.a2_pool is not None and result.steps:  # the server operates this client: it may say how
             metrics.update(
                 {
                     "a2-noise": settings.dp_noise_multiplier,
                     "a2-sample-rate": result.sample_rate,
                     "a2-steps": result.steps,
-                    "a2-examples": result.examples,
                 }
             )
         return result.arrays, result.examples, metrics

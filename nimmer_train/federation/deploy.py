@@ -51,13 +51,11 @@ def setup_of(context: Context, settings: FederatedConfig) -> ServerSetup:
 def publish(context: Context, settings: FederatedConfig, setup: ServerSetup, state: ServerState) -> None:
     from nimmer_train.artifacts import fingerprint
     from nimmer_train.federation.results import publish_federated
-    from nimmer_train.privacy.a2_pool import pool_summary
 
     out = _place(context, "out-dir")
     assert out is not None and settings.adapter_dir
     fp = fingerprint(dict(context.run_config))
-    pool = pool_summary(_place(context, "a2-pool", False), settings.a2_k)
-    publish_federated(out / fp[:12], setup.model, Path(settings.adapter_dir), fp, settings, state, pool)
+    publish_federated(out / fp[:12], setup.model, Path(settings.adapter_dir), fp, settings, state)
 
 
 def report_of(context: Context) -> Report:

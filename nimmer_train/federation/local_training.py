@@ -3,12 +3,23 @@ client both run each round.
 
 The base is loaded with the register adapter on top (trainable), the round's global LoRA tensors
 are copied in, and Opacus trains the adapter for ``local_steps`` steps with Poisson sampling.
+The noise and the Poisson masks come from generators seeded from the OS's entropy
+(``dp_sgd.make_private``); the configured ``seed`` (the server sends it) seeds only what is not a
+DP mechanism (dropout, if the adapter has any), so the server cannot recompute an update.
 The accountant's state is read from and written back to a JSON file beside the data, so the
 record-level epsilon of this contributor's data accumulates across rounds and restarts.
+
+The A.2 pool's node trains with ``public_rate``: Poisson batches at ``batch_size / max_examples``
+over every pooled example, the noisy sum divided by ``batch_size``, so neither its accounting
+step (published through the A.2 epsilon) nor its update's scale depends on the pool's size, and
+no example is left out because of the others (a cap on the examples would be). A device keeps
+Opacus's rate, ``1 / len(loader)`` over its first ``max_examples`` examples: its size never
+leaves it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from dataclasses import dataclass
@@ -25,7 +36,15 @@ from nimmer_train.errors import NimmerError
 from nimmer_train.federation.wire import get_arrays, set_arrays, spec_of
 from nimmer_train.loras.adapters import load_base
 from nimmer_train.privacy.accounting import epsilon
-from nimmer_train.privacy.dp_sgd import DPConfig, lm_loss, lora_changed, lora_snapshot, make_private
+from nimmer_train.privacy.dp_sgd import (
+    DPConfig,
+    empty_batch_step,
+    lm_loss,
+    lora_changed,
+    lora_snapshot,
+    make_private,
+    public_sample_rate,
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +60,7 @@ class LocalTrainingConfig:
     dp_max_grad_norm: float
     grad_sample_mode: str
     seed: int
+    public_rate: bool = False  # the A.2 pool: a rate and divisor that do not depend on its size
 
 
 @dataclass(frozen=True)
@@ -49,7 +69,7 @@ class LocalResult:
     examples: int
     steps: int  # accountant steps taken (Poisson batches, empty ones included)
     sample_rate: float
-    epsilon: float  # this contributor's record-level epsilon so far, at the accountant's delta
+    epsilon: float | None  # this contributor's record-level epsilon so far (None: no noise)
 
 
 def encode_rows(
@@ -98,13 +118,17 @@ def train_locally(
         )
     set_arrays(model, arrays)
     model.train()
-    texts = texts[: settings.max_examples]
+    dp = DPConfig(settings.dp_noise_multiplier, settings.dp_max_grad_norm, settings.grad_sample_mode)
+    if settings.public_rate:  # every example; rate and divisor from the settings only
+        q = public_sample_rate(settings.batch_size, settings.max_examples)
+        dp = dataclasses.replace(dp, sample_rate=q, expected_batch_size=settings.batch_size)
+    else:
+        texts = texts[: settings.max_examples]
     data = encode(tokenizer, texts, settings.max_length)
     batch = min(settings.batch_size, len(texts))
-    torch.manual_seed(settings.seed)
+    torch.manual_seed(settings.seed)  # not the DP noise nor the Poisson masks: see make_private
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=settings.lr)
     state = json.loads(accountant_file.read_text()) if accountant_file.exists() else None
-    dp = DPConfig(settings.dp_noise_multiplier, settings.dp_max_grad_norm, settings.grad_sample_mode)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus's notes on secure RNG and optimizer wrapping
         private = make_private(model, optimizer, DataLoader(data, batch_size=batch), dp, state)
@@ -117,8 +141,8 @@ def train_locally(
                 lm_loss(private.model, ids, labels, private.criterion).backward()
                 private.optimizer.step()
                 private.optimizer.zero_grad()
-            else:  # an empty Poisson batch still spends privacy: account it by hand
-                private.engine.accountant.step(noise_multiplier=dp.noise_multiplier, sample_rate=rate)
+            else:  # an empty Poisson batch: the noise-only step, accounted (the model needs rows)
+                empty_batch_step(private)
             steps += 1
             if steps == settings.local_steps:
                 break
@@ -131,7 +155,7 @@ def train_locally(
     )
 
 
-def _saved_epsilon(accountant_file: Path, delta: float) -> float:
+def _saved_epsilon(accountant_file: Path, delta: float) -> float | None:
     if not accountant_file.exists():
         return 0.0
     return epsilon([tuple(h) for h in json.loads(accountant_file.read_text())["history"]], delta)

@@ -5,11 +5,15 @@
 - ``validate_mod`` refuses to send an update that is not a finite float32 tensor list shaped like
   the global adapter the server sent (the reply becomes an error: the node drops out of the
   round, and SecAgg+ recovers its masks);
-- ``clip_mod`` clips the update to the clipping norm the server's DP wrapper sends (Flower's
-  ``fixedclipping_mod``, which divides by zero on the all-zero update of a contributor with no
-  data: flwr 1.42, ``clip_inputs_inplace``);
-- ``equal_weight_mod`` gives every contributor the weight 1 (user-level DP averages users, not
-  examples) and moves the example count into the vector, so SecAgg+ hides it in the sum;
+- ``clip_mod`` turns the trained adapter into the node's *contribution*: the update (trained
+  minus global) followed by the A.1 indicator (s = C/2 for a real A.1 update, 0 for any other
+  node), the whole vector clipped to just under the clipping norm C the server's DP wrapper sends
+  (``wire.contribution_bound``: the margin covers the float32 recast and SecAgg+'s rounding).
+  Flower's ``fixedclipping_mod`` is not used: it clips parameters, not this vector, and divides by
+  zero on the all-zero update of a contributor with no data (flwr 1.42, ``clip_inputs_inplace``);
+- ``equal_weight_mod`` gives every node the weight 1 (user-level DP sums users, not examples)
+  and drops every metric except the A.2 node's accounting step: no id, tier or count leaves a
+  node in plaintext;
 - ``secaggplus_mod`` (Flower's) masks the vector.
 
 ``drill_mod`` (simulation drills only, outermost) corrupts the outgoing reply of a chosen
@@ -29,7 +33,15 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.compat.common import recorddict_compat as compat
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-from nimmer_train.federation.wire import EXAMPLES_SCALE, AdapterSpec, check_update
+from nimmer_train.federation.wire import (
+    A1_UPDATE,
+    A2_METRICS,
+    QUANTUM,
+    AdapterSpec,
+    check_update,
+    contribution_bound,
+    indicator_value,
+)
 
 log = logging.getLogger(__name__)
 FIT = "fitres"
@@ -54,24 +66,36 @@ def clip_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Messa
     if msg.metadata.message_type != MessageType.TRAIN:
         return call_next(msg, ctxt)
     ins = compat.recorddict_to_fitins(msg.content, keep_input=True)
-    if KEY_CLIPPING_NORM not in ins.config:
-        raise KeyError(
-            f"the server sent no {KEY_CLIPPING_NORM}: it must wrap its strategy for client-side clipping"
-        )
+    for key in (KEY_CLIPPING_NORM, QUANTUM):
+        if key not in ins.config:
+            raise KeyError(f"the server sent no {key}: it must run nimmer's round loop (rounds.NoisyMean)")
     sent = parameters_to_ndarrays(ins.parameters)
     out = call_next(msg, ctxt)
     if out.has_error():
         return out
     res = compat.recorddict_to_fitres(out.content, keep_input=True)
-    arrays = parameters_to_ndarrays(res.parameters)
-    update = [np.subtract(a, b) for a, b in zip(arrays, sent, strict=True)]
-    norm = float(np.sqrt(sum(float(np.sum(np.square(u, dtype=np.float64))) for u in update)))
-    scale = min(1.0, float(ins.config[KEY_CLIPPING_NORM]) / norm) if norm > 0 else 1.0
+    update = [
+        np.subtract(a, b, dtype=np.float64)
+        for a, b in zip(parameters_to_ndarrays(res.parameters), sent, strict=True)
+    ]
+    a1 = bool(res.metrics.pop(A1_UPDATE, False))
     res.parameters = ndarrays_to_parameters(
-        [(b + u * scale).astype(b.dtype) for b, u in zip(sent, update, strict=True)]
+        contribution(update, a1, float(ins.config[KEY_CLIPPING_NORM]), float(ins.config[QUANTUM]))
     )
     out.content = compat.fitres_to_recorddict(res, keep_input=True)
     return out
+
+
+def contribution(
+    update: list[np.ndarray], a1: bool, clipping_norm: float, quantum: float
+) -> list[np.ndarray]:
+    """``update`` ⊕ [indicator] as float32, its L2 norm <= ``wire.contribution_bound`` (< C)."""
+    s = indicator_value(clipping_norm) if a1 else 0.0
+    bound = contribution_bound(clipping_norm, sum(u.size for u in update) + 1, quantum)
+    room = float(np.sqrt(bound**2 - s**2))  # what the update may keep beside the indicator
+    norm = float(np.sqrt(sum(float(np.sum(np.square(u))) for u in update)))
+    scale = min(1.0, room / norm) if norm > 0 else 1.0
+    return [(u * scale).astype(np.float32) for u in update] + [np.array([s], dtype=np.float32)]
 
 
 def equal_weight_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
@@ -81,10 +105,8 @@ def equal_weight_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) 
     if out.has_error():
         return out
     res = compat.recorddict_to_fitres(out.content, keep_input=True)
-    arrays = parameters_to_ndarrays(res.parameters)
-    arrays.append(np.array([res.num_examples / EXAMPLES_SCALE], dtype=np.float32))
-    res.parameters = ndarrays_to_parameters(arrays)
     res.num_examples = 1
+    res.metrics = {k: v for k, v in res.metrics.items() if k in A2_METRICS}
     out.content = compat.fitres_to_recorddict(res, keep_input=True)
     return out
 

@@ -1,6 +1,17 @@
 """What a federation leaves behind: the aggregated adapter in the register-LoRA format (PEFT
 folder + ``nimmer_adapter.json`` + manifest), its round records, and a data card for the
-contributed data that holds tiers, categories, counts, epsilon and delta, never content or ids."""
+contributed data that holds tiers, categories, noised counts, epsilon and delta, never content,
+ids or an exact count of anyone's data.
+
+Which figures are noised, and by which accounted mechanism:
+- the A.1 contributions per round: the noisy indicator sum / s of each released round (the A.1
+  Gaussian mechanism itself, std 2 z); the A.1 contributor count is a noised estimate from them
+  (the largest, rounded, at least 0);
+- the A.2 pool's uploads and examples per data category: Gaussian noise of std
+  count_noise_multiplier * sqrt(2), one step of the A.2 record-level ledger.
+Exact figures are the settings, the rounds run and released and the node counts of each round
+(sampled, participants, dropped: nodes of every tier, opt-out ones included, so they say nothing
+about anyone's consent or data)."""
 
 from __future__ import annotations
 
@@ -9,40 +20,104 @@ from typing import Any
 
 from nimmer_train.artifacts import README, atomic_dir, write_json_atomic, write_manifest
 from nimmer_train.config.federated import FederatedConfig
-from nimmer_train.federation.rounds import ServerState
+from nimmer_train.federation.rounds import ServerState, planned_a2
+from nimmer_train.federation.wire import A1_INDICATOR_SHARE
 from nimmer_train.loras.adapters import METADATA, read_metadata
 from nimmer_train.memory.consent import NEVER_SHARED
 from nimmer_train.memory.entries import DATA_CATEGORIES
+from nimmer_train.privacy.accounting import Ledger
 
 ROUNDS = "rounds.json"
 CONTRIBUTED = "contributed_data.json"
 CARD = "data_card.md"
+NO_GUARANTEE = "no privacy guarantee (federated.no_privacy)"
 
 
-def contributed_data(settings: FederatedConfig, state: ServerState, pool: dict[str, Any]) -> dict[str, Any]:
+def epsilons(settings: FederatedConfig, state: ServerState) -> dict[str, float | None]:
+    """The federation's total epsilons from its ledger (rounds and the pool counts' release);
+    None for both under ``no_privacy``, and for an unbounded one."""
+    if settings.no_privacy:
+        return {"a1_user_level": None, "a2_record_level": None}
+    if not state.ledger:
+        return {"a1_user_level": 0.0, "a2_record_level": 0.0}
+    return Ledger.from_dict(state.ledger, settings.delta, None).spent()
+
+
+def mechanisms(settings: FederatedConfig, released_rounds: int) -> dict[str, str]:
+    """Exactly what each published epsilon covers (the model card quotes these)."""
+    s = settings
+    std_count = 1 / A1_INDICATOR_SHARE * s.noise_multiplier
+    return {
+        "epsilon_a1_user_level": (
+            "user-level (one player's whole contribution): the Gaussian mechanism on the sum of the "
+            "nodes' contributions (adapter update and A.1 indicator, clipped together to L2 norm "
+            f"C = {s.clipping_norm:g}), noise multiplier z = {s.noise_multiplier:g}, nodes "
+            f"Poisson-sampled at rate q = {s.fraction_fit:g}, one step per released round "
+            f"({released_rounds}); it also "
+            f"covers the noised A.1 contribution count of each round (std {std_count:.3g}). "
+            "Opacus RDP accountant"
+        ),
+        "epsilon_a2_record_level": (
+            "record-level (one pooled example): the A.2 node's DP-SGD on the anonymised pool (noise "
+            f"multiplier {s.dp_noise_multiplier:g}, per-example clip {s.dp_max_grad_norm:g}, Poisson "
+            f"batches over every pooled example at the public rate {planned_a2(s)[1]:.4g}, "
+            f"{s.local_steps} steps per round, every A.2 run of every released round) and the "
+            f"noised pool counts (Gaussian, noise multiplier {s.count_noise_multiplier:g}, sensitivity "
+            "sqrt(2)). Opacus RDP accountant"
+        ),
+        "local_dp_a1_devices": (
+            f"each A.1 device's own record-level DP-SGD (noise multiplier {s.dp_noise_multiplier:g}) "
+            "is accounted on the device only and not published"
+        ),
+    }
+
+
+def _noised_count(value: float | None) -> int:
+    """A noised count as published: rounded, at least 0 (post-processing)."""
+    return max(0, round(value)) if value is not None else 0
+
+
+def contributed_data(settings: FederatedConfig, state: ServerState) -> dict[str, Any]:
     accepted = [r for r in state.records if r.get("accepted")]
-    last = accepted[-1] if accepted else {}
-    a1_contributors = [c for c in state.contributors if c != "a2-pool"]
+    a1_per_round = [r["a1_contributions_noised"] for r in accepted]
+    pool = state.pool_counts or {"released": False, "reason": "no A.2 pool on this server"}
+    eps = epsilons(settings, state)
     return {
         "tiers": {
             "A1_federated": {
                 "mechanism": "on-device DP-SGD, client-side clipping, SecAgg+, server Gaussian noise",
-                "guarantee": "user-level",
-                "contributors": len(a1_contributors),
-                "examples_per_round": [r.get("examples_a1", 0) for r in accepted],
+                "guarantee": "none" if settings.no_privacy else "user-level",
+                "contributions_per_round_noised": [round(v, 2) for v in a1_per_round],
+                "contributors_noised": _noised_count(max(a1_per_round, default=None)),
                 "data_categories": "as each device's consent allows; the server does not learn which",
-                "epsilon": last.get("epsilon_a1_user_level", 0.0),
+                "epsilon": eps["a1_user_level"],
             },
             "A2_anonymized": {
                 "mechanism": "on-device anonymisation, k-threshold intake, central DP-SGD",
-                "guarantee": "record-level",
-                "uploads": pool["uploads"],
+                "guarantee": "none" if settings.no_privacy else "record-level",
+                "uploads_noised": _noised_count(pool["uploads"]) if pool["released"] else None,
                 "k": settings.a2_k,
-                "examples_per_round": [r.get("examples_a2", 0) for r in accepted],
-                "data_categories": pool["categories"],
-                "epsilon": last.get("epsilon_a2_record_level", 0.0),
+                "data_categories_noised": (
+                    {c: _noised_count(v) for c, v in pool["categories"].items()} if pool["released"] else None
+                ),
+                "counts_noise_std": pool.get("noise_std"),
+                "counts_released": pool["released"] or pool.get("reason", ""),
+                "epsilon": eps["a2_record_level"],
             },
         },
+        "noised_figures": (
+            "A.1 contributions per round and contributors (the A.1 mechanism's noisy indicator sum / s, std "
+            f"{1 / A1_INDICATOR_SHARE * settings.noise_multiplier:.3g}; contributors: the largest per-round "
+            "figure, rounded, at least 0); A.2 uploads and examples per category (Gaussian, std "
+            f"{pool.get('noise_std') or settings.count_noise_multiplier * 2**0.5:.3g}, in the A.2 ledger). "
+            + (
+                "No privacy guarantee (federated.no_privacy): a noise std of 0 leaves a figure exact."
+                if settings.no_privacy
+                else "No exact count of anyone's data is published."
+            )
+        ),
+        "mechanisms": mechanisms(settings, len(accepted)),
+        "no_privacy": settings.no_privacy,
         "never_shared": sorted(NEVER_SHARED),
         "eligible_categories": [c for c in DATA_CATEGORIES if c not in NEVER_SHARED],
         "delta": settings.delta,
@@ -52,6 +127,7 @@ def contributed_data(settings: FederatedConfig, state: ServerState, pool: dict[s
         "noise_multiplier": settings.noise_multiplier,
         "clipping_norm": settings.clipping_norm,
         "sampling_rate": settings.fraction_fit,
+        "min_participants": settings.min_participants,
         "local_dp": {
             "noise_multiplier": settings.dp_noise_multiplier,
             "max_grad_norm": settings.dp_max_grad_norm,
@@ -60,36 +136,56 @@ def contributed_data(settings: FederatedConfig, state: ServerState, pool: dict[s
     }
 
 
+def _eps(value: float | None, no_privacy: bool) -> str:
+    if no_privacy:
+        return NO_GUARANTEE
+    return "unbounded (no guarantee)" if value is None else f"{value:.3f}"
+
+
 def render_card(fp: str, register: str, data: dict[str, Any]) -> str:
     a1, a2 = data["tiers"]["A1_federated"], data["tiers"]["A2_anonymized"]
-    cats = ", ".join(f"{k} {v}" for k, v in a2["data_categories"].items()) or "none"
+    cats = a2["data_categories_noised"]
+    cats_text = ", ".join(f"{k} ~{v}" for k, v in cats.items()) if cats is not None else "not released"
     local = data["local_dp"]
+    no_privacy = data["no_privacy"]
+    uploads = f"~{a2['uploads_noised']}" if a2["uploads_noised"] is not None else "not released"
     rows = [
-        f"| A1_federated | {a1['guarantee']} | {a1['contributors']} pseudonymous "
-        f"| {a1['examples_per_round']} | {a1['epsilon']:.3f} |",
-        f"| A2_anonymized | {a2['guarantee']} | {a2['uploads']} uploads (k = {a2['k']}) "
-        f"| {a2['examples_per_round']} | {a2['epsilon']:.3f} |",
+        f"| A1_federated | {a1['guarantee']} | ~{a1['contributors_noised']} (noised) "
+        f"| {a1['contributions_per_round_noised']} (noised) | {_eps(a1['epsilon'], no_privacy)} |",
+        f"| A2_anonymized | {a2['guarantee']} | {uploads} uploads (noised; k = {a2['k']}) "
+        f"| not published | {_eps(a2['epsilon'], no_privacy)} |",
     ]
     lines = [
         f"# Contributed data: federation {fp[:12]} ({register})",
         "",
-        "Data that opted-in players contributed to this adapter. Counts and privacy figures only:",
-        "this card never holds content, player ids or contributor ids.",
+        "Data that opted-in players contributed to this adapter. Noised counts and privacy figures only:",
+        "this card never holds content, player ids, contributor ids or an exact count of anyone's data."
+        if not no_privacy
+        else "this card never holds content, player ids or contributor ids; without a privacy guarantee "
+        "its counts carry only the configured noise (none at a noise multiplier of 0: exact).",
         "",
-        f"| tier | guarantee | contributors | examples per round | epsilon (delta {data['delta']:g}) |",
+        f"| tier | guarantee | contributors | contributions per round | epsilon (delta {data['delta']:g}) |",
         "|---|---|---|---|---|",
         *rows,
         "",
+        f"- **Noised figures**: {data['noised_figures']}",
         f"- **A.1**: {a1['mechanism']}. Noise multiplier {data['noise_multiplier']}, clipping norm "
-        f"{data['clipping_norm']}, sampling rate {data['sampling_rate']}. Example counts are sums "
-        "learnt through secure aggregation.",
+        f"{data['clipping_norm']}, sampling rate {data['sampling_rate']}. A round is released only when at "
+        f"least {data['min_participants']} real A.1 updates are in the masked sum (counted exactly, inside "
+        "it, by the server: see docs/privacy.md).",
         f"- **A.2**: {a2['mechanism']}. DP-SGD noise multiplier {local['noise_multiplier']}, "
         f"{local['steps_per_round']} steps per round.",
         f"- **Data categories**: eligible {', '.join(data['eligible_categories'])}; never "
-        f"{', '.join(data['never_shared'])}. A.1: {a1['data_categories']}. A.2 pool: {cats}.",
+        f"{', '.join(data['never_shared'])}. A.1: {a1['data_categories']}. A.2 pool (noised): {cats_text}.",
+        f"- **Epsilon A.1** covers {data['mechanisms']['epsilon_a1_user_level']}.",
+        f"- **Epsilon A.2** covers {data['mechanisms']['epsilon_a2_record_level']}.",
         f"- **Rounds**: {data['rounds_completed']} released of {data['rounds_run']} run; "
         f"stopped: {data['stopped']}.",
     ]
+    if no_privacy:
+        lines.insert(
+            4, "**No privacy guarantee**: this federation ran with federated.no_privacy; no epsilon."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -100,21 +196,25 @@ def publish_federated(
     fp: str,
     settings: FederatedConfig,
     state: ServerState,
-    pool: dict[str, Any],
 ) -> dict[str, Any]:
     """Write the aggregated adapter with its records and card; visible only when complete."""
     meta = read_metadata(start_adapter)
-    data = contributed_data(settings, state, pool)
+    data = contributed_data(settings, state)
+    a1, a2 = data["tiers"]["A1_federated"], data["tiers"]["A2_anonymized"]
     meta["federation"] = {
         "fingerprint": fp,
         "started_from": meta.get("training_config_hash"),
         "rounds": data["rounds_completed"],
         "stopped": state.stopped,
-        "epsilon_a1_user_level": data["tiers"]["A1_federated"]["epsilon"],
-        "epsilon_a2_record_level": data["tiers"]["A2_anonymized"]["epsilon"],
+        "no_privacy": settings.no_privacy,
+        "epsilon_a1_user_level": a1["epsilon"],
+        "epsilon_a2_record_level": a2["epsilon"],
         "delta": settings.delta,
-        "contributors_a1": data["tiers"]["A1_federated"]["contributors"],
-        "uploads_a2": pool["uploads"],
+        "mechanisms": data["mechanisms"],
+        # contributors_a1, uploads_a2: noised estimates, never exact (unless no_privacy set a noise to 0)
+        "counts_noised": settings.noise_multiplier > 0 and settings.count_noise_multiplier > 0,
+        "contributors_a1": a1["contributors_noised"],
+        "uploads_a2": a2["uploads_noised"] or 0,
         "heldout_loss_before": state.initial_loss,
         "heldout_loss_after": next(
             (r["heldout_loss"] for r in reversed(state.records) if "heldout_loss" in r), None

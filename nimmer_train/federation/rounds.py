@@ -1,22 +1,35 @@
 """The server side of a federation: the round loop behind the Flower ServerApp.
 
 Per round: check the privacy budget, run one fit round (SecAgg+ by default, so the server only
-ever holds the masked vectors and their sum), screen every reply it can see, add Gaussian noise
-to the mean of the clipped updates (user-level DP for A.1), account both mechanisms, evaluate
-the new global adapter on server-side held-out data, and checkpoint. A killed server resumes
-after the last completed round.
+ever holds the masked vectors and their sum), screen every reply it can see, release nothing
+unless at least ``min_participants`` real A.1 updates are in the sum, add Gaussian noise to the
+sum of the contributions (user-level DP for A.1), check the round's actual privacy spend against
+the budget, and only then release: adopt the new global adapter, account every mechanism that
+ran, evaluate on server-side held-out data and checkpoint. A killed server resumes after the last
+completed round; a stopped one (budget, overflow) stays stopped.
 
-How the pieces compose: each client clips its update to ``C`` (``mods.clip_mod``) and masks
-it (``secaggplus_mod``); SecAgg+ reveals only the sum, which is divided by the number ``n`` of
-surviving contributors; :class:`NoisyMean` then adds N(0, (z C / n)^2) to every coordinate, so
-the release is the Gaussian mechanism with noise multiplier ``z`` on a sum of sensitivity ``C``
-(one contributor), whatever ``n`` turned out to be.
+How the pieces compose: each node sends its *contribution*, the update (trained minus global
+adapter) followed by the A.1 indicator (s = C/2 for a real A.1 update, 0 otherwise), clipped as
+one vector to just under ``C`` (``mods.clip_mod``, ``wire.contribution_bound``) and masked
+(``secaggplus_mod``). SecAgg+ reveals only the sum of the ``n`` nodes' contributions. The
+indicator sum / s is the exact number of real A.1 updates in it, known only to the server: fewer
+than ``min_participants`` and the round releases nothing. Otherwise :class:`NoisyMean` adds
+N(0, (z C)^2) to every coordinate of the sum, indicator included, with a generator seeded from
+the OS's entropy: one Gaussian mechanism with noise multiplier ``z`` on a sum of sensitivity
+``C`` (one node's contribution, whatever its tier), nodes Poisson-sampled at rate q, accounted
+as one A.1 step. The server itself holds the exact sum (it unmasks it to count), so the threshold
+keeps a round out of the outputs, not out of the server's sight. The new global
+adapter is the old one plus the noisy update sum / n (n counts nodes whatever their tier, so it
+says nothing about anyone's data); the noisy indicator sum / s is released as the round's noised
+count of A.1 contributions. Exact counts never leave the server.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -44,21 +57,31 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.server.workflow.default_workflows import default_fit_workflow
 from flwr.serverapp.grid import Grid
-from flwr.supercore.differential_privacy import add_gaussian_noise_to_params
 
 from nimmer_train.artifacts import write_json_atomic
-from nimmer_train.config.federated import FederatedConfig
+from nimmer_train.config.federated import (
+    SECAGG_MAX_NODES,
+    SECAGG_MODULUS_RANGE,
+    SECAGG_QUANTIZATION_RANGE,
+    FederatedConfig,
+)
 from nimmer_train.federation.wire import (
-    EXAMPLES_SCALE,
+    A2_METRICS,
+    QUANTUM,
     AdapterSpec,
     check_update,
     get_arrays,
+    indicator_value,
+    secagg_quantum,
     set_arrays,
     spec_of,
 )
 from nimmer_train.loras.train import heldout_loss
-from nimmer_train.privacy.a2_pool import pool_summary
+from nimmer_train.memory.consent import NEVER_SHARED
+from nimmer_train.memory.entries import DATA_CATEGORIES
+from nimmer_train.privacy.a2_pool import noised_counts
 from nimmer_train.privacy.accounting import BudgetExceeded, Ledger, Step
+from nimmer_train.privacy.dp_sgd import accounted_rate, public_sample_rate
 
 log = logging.getLogger(__name__)
 FIT_PARAMS = "fitres.parameters"
@@ -68,23 +91,25 @@ Report = Callable[[dict[str, Any]], None]
 
 @dataclass
 class RoundOutcome:
-    """What the strategy saw of one round (never an individual update)."""
+    """What the strategy saw of one round (never an individual update, never an exact count)."""
 
     sampled: int = 0
     participants: int = 0
-    accepted: bool = False
+    accepted: bool = False  # an update was made (it is released only if the budget allows it)
     reason: str = ""
-    examples: int = 0  # sum over contributors, learnt only as part of the aggregate
-    a2: Step | None = None
-    a2_examples: int = 0
-    contributors: list[str] = field(default_factory=list)
-    arrays: list[np.ndarray] | None = None
+    stop: str | None = None  # a reason to stop the federation (a cohort SecAgg+ cannot sum)
+    update: list[np.ndarray] | None = None  # the noisy update sum / n, float32
+    a1_noised: float | None = None  # the noisy indicator sum / s: noised count of A.1 updates
+    a2_steps: list[Step] = field(default_factory=list)  # every A.2 DP-SGD run in the sum
 
 
 class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
-    """Flower's client-side-clipping DP wrapper around FedAvg, made robust: failures and dropouts
-    do not void the round while ``min_participants`` remain, the noise is calibrated to the
-    contributors that actually made it into the sum, and the aggregate is checked before use."""
+    """Flower's client-side-clipping DP wrapper around FedAvg (which builds the fit instructions;
+    the wrapper adds the clipping norm), made robust and exact: nodes are Poisson-sampled at rate
+    q from the OS's entropy (:class:`PoissonSampling`), failures and dropouts do not void the
+    round, the contributions are summed in float64, the release threshold counts real A.1 updates
+    inside the sum, the noise goes on the sum from an OS-entropy generator, the aggregate and the
+    A.2 node's claimed step are checked before use."""
 
     def __init__(self, settings: FederatedConfig, spec: AdapterSpec, fit_config: dict[str, Any]) -> None:
         inner = FedAvg(
@@ -102,8 +127,18 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, Any]]:
-        chosen = super().configure_fit(server_round, parameters, client_manager)
-        self.outcome = RoundOutcome(sampled=len(chosen))
+        chosen = super().configure_fit(
+            server_round, parameters, PoissonSampling(client_manager, self.settings.fraction_fit)
+        )
+        self.outcome = RoundOutcome(sampled=len(chosen), reason="" if chosen else "no node was sampled")
+        if self.settings.secure_aggregation and len(chosen) > SECAGG_MAX_NODES:
+            self.outcome.reason = self.outcome.stop = (
+                f"SecAgg+ overflow: {len(chosen)} nodes sampled, but SecAgg+'s masked sum overflows its "
+                f"modulus 2^32 at 1024 nodes (quantisation range 2^22 each); at most {SECAGG_MAX_NODES} "
+                "per round: lower federated.fraction_fit"
+            )
+            log.error("round %d does not run: %s", server_round, self.outcome.reason)
+            return []
         return chosen
 
     def aggregate_fit(
@@ -113,38 +148,85 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
         failures: list[Any],
     ) -> tuple[Parameters | None, dict[str, Any]]:
         out = self.outcome
-        out.participants = len(results)
-        out.contributors = sorted(
-            {str(r.metrics["contributor"]) for _, r in results if "contributor" in r.metrics}
-        )
-        if len(results) < self.settings.min_participants:
-            out.reason = (
-                f"{len(results)} contributors < federated.min_participants={self.settings.min_participants}"
-            )
-            log.warning("round %d makes no update: %s", server_round, out.reason)
-            return None, {}
-        mean, _ = self.strategy.aggregate_fit(server_round, results, [])
-        *update, count = parameters_to_ndarrays(mean)
-        update = [np.asarray(a, dtype=np.float32) for a in update]
-        problem = check_update(update, self.spec) or (
-            None if np.isfinite(count).all() else "count not finite"
-        )
+        out.participants = n = len(results)
+        if not results:
+            return self._nothing(server_round, "no contribution reached the server")
+        *total, indicator_sum = self._sum(results)  # the sums over the n nodes, float64
+        problem = check_update([a.astype(np.float32) for a in total], self.spec)
+        indicator = float(indicator_sum.reshape(-1)[0])
+        s = indicator_value(self.clipping_norm)
+        a1 = indicator / s  # exact, to SecAgg+'s rounding: n nodes, each off by < 2 quanta
+        if problem is None and (not np.isfinite(indicator) or abs(a1 - round(a1)) > 0.25 or a1 < -0.25):
+            problem = "the A.1 indicators do not sum to a whole count"
+        claims = [r.metrics for _, r in results if any(k in r.metrics for k in A2_METRICS)]
+        a2 = planned_a2(self.settings)
+        if problem is None and any(_a2_claim(m) != a2 for m in claims):
+            problem = f"an A.2 accounting step other than the configured {a2}"
         if problem:
-            out.reason = f"aggregate rejected: {problem}"
-            log.warning("round %d makes no update: %s", server_round, out.reason)
-            return None, {}
-        noisy = add_gaussian_noise_to_params(
-            ndarrays_to_parameters(update), self.noise_multiplier, self.clipping_norm, len(results)
-        )
-        out.arrays = [np.asarray(a, dtype=np.float32) for a in parameters_to_ndarrays(noisy)]
-        out.examples = int(round(float(count[0]) * EXAMPLES_SCALE * len(results)))
-        for _, res in results:
-            if "a2-steps" in res.metrics and int(res.metrics["a2-steps"]) > 0:
-                m = res.metrics
-                out.a2 = (float(m["a2-noise"]), float(m["a2-sample-rate"]), int(m["a2-steps"]))
-                out.a2_examples = int(m["a2-examples"])
+            return self._nothing(server_round, f"aggregate rejected: {problem}")
+        if round(a1) < self.settings.min_participants:  # the exact count is never written anywhere
+            return self._nothing(
+                server_round,
+                f"fewer real A.1 updates in the sum than federated.min_participants="
+                f"{self.settings.min_participants}",
+            )
+        rng = np.random.default_rng()  # seeded from the OS's entropy, never from a configured seed
+        std = self.noise_multiplier * self.clipping_norm
+        out.update = [((t + rng.normal(0.0, std, t.shape)) / n).astype(np.float32) for t in total]
+        out.a1_noised = (indicator + float(rng.normal(0.0, std))) / s
+        out.a2_steps = [a2] * len(claims)  # every A.2 run in the sum, each the configured step
         out.accepted = True
-        return ndarrays_to_parameters(out.arrays), {}
+        return ndarrays_to_parameters(out.update), {}  # the workflow's copy is unused: see _run_round
+
+    def _sum(self, results: list[tuple[ClientProxy, FitRes]]) -> list[np.ndarray]:
+        """The sum of the n contributions, float64. Under SecAgg+ every result carries the same
+        unmasked mean (an exact integer sum, dequantised in float64): times n. FedAvg's average of
+        plain contributions runs in float32, whose rounding lets one contribution move the sum by
+        more than C (1.00001 C beside 600 others): they are summed in float64 here instead."""
+        if self.settings.secure_aggregation:
+            mean = parameters_to_ndarrays(results[0][1].parameters)
+            return [np.asarray(a, np.float64) * len(results) for a in mean]
+        # ScreeningGrid let only replies shaped like the spec (and an indicator) through
+        replies = [parameters_to_ndarrays(r.parameters) for _, r in results]
+        return [
+            np.sum([np.asarray(a, np.float64) for a in layer], axis=0) for layer in zip(*replies, strict=True)
+        ]
+
+    def _nothing(self, server_round: int, reason: str) -> tuple[None, dict[str, Any]]:
+        self.outcome.reason = reason
+        log.warning("round %d makes no update: %s", server_round, reason)
+        return None, {}
+
+
+def _a2_claim(metrics: dict[str, Any]) -> Step | None:
+    """The A.2 step a reply claims, None when malformed (a value that is not a finite number)."""
+    try:
+        noise, rate, steps = (float(metrics[k]) for k in A2_METRICS)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not all(math.isfinite(v) for v in (noise, rate, steps)) or steps != int(steps):
+        return None
+    return (noise, rate, int(steps))
+
+
+class PoissonSampling:
+    """The client manager as FedAvg's ``configure_fit`` sees it: ``sample`` takes every available
+    node independently with probability q (``fraction_fit``), drawn from the OS's entropy. That is
+    the sampling the A.1 accountant's Poisson rate q assumes; FedAvg's own draw would take
+    max(int(q N), min_fit_clients) nodes (more than q N when min_participants is larger: 3 of 7
+    at q = 0.2), from Python's global generator, which any code may seed."""
+
+    def __init__(self, manager: ClientManager, rate: float) -> None:
+        self._manager, self.rate = manager, rate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def sample(self, num_clients: int, min_num_clients: int | None = None, criterion: Any = None) -> list:
+        self._manager.wait_for(min_num_clients or num_clients)
+        draw = random.SystemRandom()
+        available = self._manager.all()
+        return [available[cid] for cid in sorted(available) if draw.random() < self.rate]
 
 
 class ScreeningGrid:
@@ -152,7 +234,7 @@ class ScreeningGrid:
     the adapter spec and dropped (the node counts as gone) when malformed; bytes are tallied.
 
     Under SecAgg+ it reads the masked vectors (integer arrays: count and shapes are checked);
-    under plain FedAvg the update itself (dtype, shapes, finite values)."""
+    under plain FedAvg the contribution itself (dtype, shapes, finite values)."""
 
     def __init__(self, grid: Grid, spec: AdapterSpec) -> None:
         self._grid, self.spec = grid, spec
@@ -175,12 +257,12 @@ class ScreeningGrid:
 
     def screen(self, reply: Message) -> str | None:
         configs = reply.content.config_records.get(RECORD_KEY_CONFIGS)
-        shapes = [*self.spec.shapes, (1,)]  # the adapter tensors and the example count
+        shapes = [*self.spec.shapes, (1,)]  # the adapter tensors and the A.1 indicator
         if configs is not None and Key.MASKED_PARAMETERS in configs:
             blobs = list(configs[Key.MASKED_PARAMETERS])
             self.bytes.append(sum(len(b) for b in blobs))
             masked = [bytes_to_ndarray(b) for b in blobs]
-            expected = [(1,), *shapes]  # SecAgg+'s weight factor, the tensors, the count
+            expected = [(1,), *shapes]  # SecAgg+'s weight factor, the tensors, the indicator
             got = [a.shape for a in masked]
             if got != expected:
                 at = next(
@@ -198,7 +280,7 @@ class ScreeningGrid:
             if len(arrays) != len(shapes):
                 return f"{len(arrays)} tensors, expected {len(shapes)}"
             return check_update(arrays[:-1], self.spec) or (
-                None if np.isfinite(arrays[-1]).all() and arrays[-1].shape == (1,) else "bad example count"
+                None if np.isfinite(arrays[-1]).all() and arrays[-1].shape == (1,) else "bad A.1 indicator"
             )
         return None
 
@@ -211,13 +293,18 @@ class ServerState:
     stopped: str | None = None
     initial_loss: float | None = None
     records: list[dict[str, Any]] = field(default_factory=list)
-    contributors: list[str] = field(default_factory=list)  # pseudonymous ids, for the count
     ledger: dict[str, Any] = field(default_factory=dict)
+    # the A.2 pool's noised counts, released once when the rounds end (None: not yet)
+    pool_counts: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, work: Path) -> ServerState:
         path = work / STATE_FILE
-        return cls(**json.loads(path.read_text())) if path.exists() else cls()
+        if not path.exists():
+            return cls()
+        data = json.loads(path.read_text())
+        data.pop("contributors", None)  # before issue 20 the server listed contributor ids; no more
+        return cls(**data)
 
     def save(self, work: Path, arrays: list[np.ndarray]) -> None:
         """The round's arrays first, then the state that names them: a kill leaves the last
@@ -274,7 +361,8 @@ def make_setup(
 
 
 def fit_config(settings: FederatedConfig, spec: AdapterSpec) -> dict[str, Any]:
-    """The per-round instructions every client receives (no ids, no data)."""
+    """The per-round instructions every client receives (no ids, no data). ``seed`` drives only
+    data order and initialisation on the nodes, never their DP noise or sampling masks."""
     keys = [
         "local_steps",
         "batch_size",
@@ -288,29 +376,66 @@ def fit_config(settings: FederatedConfig, spec: AdapterSpec) -> dict[str, Any]:
         "delta",
         "a2_k",
     ]
-    return {"spec-digest": spec.digest, **{k.replace("_", "-"): getattr(settings, k) for k in keys}}
+    quantum = (
+        secagg_quantum(settings.clipping_norm, SECAGG_QUANTIZATION_RANGE)
+        if settings.secure_aggregation
+        else 0.0
+    )
+    return {
+        "spec-digest": spec.digest,
+        QUANTUM: quantum,
+        **{k.replace("_", "-"): getattr(settings, k) for k in keys},
+    }
 
 
-def planned_a2(settings: FederatedConfig, pool_examples: int | None) -> Step | None:
-    """The A.2 accounting step a round will take: Poisson batches at 1/ceil(n/b), local_steps."""
-    if pool_examples == 0:
-        return None
-    if pool_examples is None:
-        return (settings.dp_noise_multiplier, 1.0, settings.local_steps)  # unknown pool: assume the worst
-    n = min(pool_examples, settings.max_examples)
-    batches = -(-n // min(settings.batch_size, n))
-    return (settings.dp_noise_multiplier, 1 / batches, settings.local_steps)
+def planned_a2(settings: FederatedConfig) -> Step:
+    """The A.2 node's accounting step, a function of the settings only (never of the pool's size,
+    which the published A.2 epsilon would otherwise reveal): Poisson batches at the public rate
+    batch_size / max_examples as Opacus accounts it (``dp_sgd.accounted_rate``), local_steps.
+    The A.2 node takes and reports exactly this step; the server accepts no other."""
+    rate = accounted_rate(public_sample_rate(settings.batch_size, settings.max_examples))
+    return (settings.dp_noise_multiplier, rate, settings.local_steps)
+
+
+def count_step(settings: FederatedConfig) -> Step:
+    """The A.2 ledger's step for the noised release of the pool's counts (one Gaussian mechanism)."""
+    return (settings.count_noise_multiplier, 1.0, 1)
 
 
 def serve(
     grid: Grid, context: Context, settings: FederatedConfig, setup: ServerSetup, report: Report
 ) -> ServerState:
-    """Run the remaining rounds; returns the final state (also on disk)."""
+    """Run the remaining rounds, then release the A.2 pool's noised counts; returns the final
+    state (also on disk). A federation that stopped (budget, overflow) is not resumed."""
     setup.work.mkdir(parents=True, exist_ok=True)
     state = ServerState.load(setup.work)
     ledger = _ledger(state, settings)
-    spec = spec_of(setup.model)
     arrays = _start_arrays(state, setup, report)
+    if state.stopped not in (None, "completed"):
+        log.warning("the federation stopped earlier and is not resumed: %s", state.stopped)
+    else:
+        state.stopped = None
+        arrays = _rounds(grid, context, settings, setup, ledger, state, arrays, report)
+        state.stopped = state.stopped or "completed"
+    _release_pool_counts(state, ledger, settings, setup)
+    state.ledger = asdict(ledger)
+    state.save(setup.work, arrays)
+    set_arrays(setup.model, arrays)
+    return state
+
+
+def _rounds(
+    grid: Grid,
+    context: Context,
+    settings: FederatedConfig,
+    setup: ServerSetup,
+    ledger: Ledger,
+    state: ServerState,
+    arrays: list[np.ndarray],
+    report: Report,
+) -> list[np.ndarray]:
+    """The rounds after ``state.round``; ``state.stopped`` says why they ended early, if they did."""
+    spec = spec_of(setup.model)
     strategy = NoisyMean(settings, spec, fit_config(settings, spec))
     legacy = LegacyContext(
         context=context,
@@ -325,22 +450,21 @@ def serve(
     try:
         for server_round in range(state.round + 1, settings.rounds + 1):
             a1_step: Step = (settings.noise_multiplier, settings.fraction_fit, 1)
-            over_budget = _plan_budget(loop, a1_step)
+            over_budget = _plan_budget(loop, a1_step, state)
             if over_budget:
                 state.stopped = over_budget
                 break
-            arrays, record = _run_round(loop, server_round, a1_step, arrays)
-            _checkpoint(state, loop, record, arrays)
+            arrays, record, stopping = _run_round(loop, server_round, a1_step, arrays, _reserve(loop, state))
+            _checkpoint(state, loop, record, arrays, stopping)
             report(record)
             log.info("round %d: %s", server_round, _summary(record))
+            if stopping:
+                log.warning("the federation stops: %s", stopping)
+                break
     finally:
         stop.set()
         thread.join()
-    if state.stopped is None:
-        state.stopped = "completed"
-    state.save(setup.work, arrays)
-    set_arrays(setup.model, arrays)
-    return state
+    return arrays
 
 
 @dataclass
@@ -383,6 +507,11 @@ def _fit_workflow(settings: FederatedConfig) -> Callable[[Any, LegacyContext], N
     return SecAggPlusWorkflow(
         *settings.secagg(),
         max_weight=1.0,  # every contributor weighs 1: keeps SecAgg+'s quantisation at full precision
+        # a contribution's norm is <= C, so is every coordinate: SecAgg+ never clips one, and its
+        # rounding (wire.contribution_bound) scales with C
+        clipping_range=settings.clipping_norm,
+        quantization_range=SECAGG_QUANTIZATION_RANGE,
+        modulus_range=SECAGG_MODULUS_RANGE,
         timeout=settings.round_timeout,
     )
 
@@ -395,13 +524,19 @@ def _round_config(legacy: LegacyContext) -> Any:
     return round_cfg
 
 
-def _plan_budget(loop: _RoundLoop, a1_step: Step) -> str | None:
-    """Plan the next round's privacy spend (A.1 and, when the pool has data, A.2); the reason to
-    stop when it would exceed the budget, else None."""
-    settings, setup = loop.settings, loop.setup
-    pool = pool_summary(setup.a2_pool, settings.a2_k)["examples"] if setup.a2_pool else None
+def _reserve(loop: _RoundLoop, state: ServerState) -> list[Step]:
+    """Budget kept back for the pool's noised counts, released when the rounds end."""
+    if loop.setup.a2_pool is None or state.pool_counts is not None:
+        return []
+    return [count_step(loop.settings)]
+
+
+def _plan_budget(loop: _RoundLoop, a1_step: Step, state: ServerState) -> str | None:
+    """Plan the next round's privacy spend (A.1 and one A.2 run, whether or not the pool will
+    train: a plan that read the pool would make the stop depend on it; the pool counts' step kept
+    in reserve); the reason to stop when it would exceed the budget, else None."""
     try:
-        loop.ledger.plan(a1_step, planned_a2(settings, pool))
+        loop.ledger.plan(a1_step, [planned_a2(loop.settings), *_reserve(loop, state)])
     except BudgetExceeded as exc:
         log.warning("%s", exc)
         return f"budget: {exc}"
@@ -409,10 +544,14 @@ def _plan_budget(loop: _RoundLoop, a1_step: Step) -> str | None:
 
 
 def _run_round(
-    loop: _RoundLoop, server_round: int, a1_step: Step, arrays: list[np.ndarray]
-) -> tuple[list[np.ndarray], dict[str, Any]]:
-    """One fit round from ``arrays``: the new global arrays (the same ones when the round makes
-    no update) and the round's record; the release, if any, is accounted in the ledger."""
+    loop: _RoundLoop, server_round: int, a1_step: Step, arrays: list[np.ndarray], reserve: list[Step]
+) -> tuple[list[np.ndarray], dict[str, Any], str | None]:
+    """One fit round from ``arrays``: the new global arrays (the same ones when the round
+    releases nothing), the round's record, and a reason to stop the federation (or None).
+
+    The round's actual steps (A.1, every A.2 node's, and ``reserve``) are checked against the
+    budget before anything is released: over it, the round is discarded (no arrays adopted,
+    nothing accounted) and the federation stops."""
     settings = loop.settings
     started = time.monotonic()
     screen = _fit_round(loop, server_round, arrays)
@@ -425,23 +564,55 @@ def _run_round(
         "rejected": screen.rejected,
         "bytes_per_client": screen.bytes,
         "update_bytes": loop.spec.nbytes,
-        "accepted": out.accepted,
+        "accepted": False,
         "reason": out.reason,
     }
-    if out.accepted and out.arrays is not None:
-        arrays = out.arrays
-        epsilons = loop.ledger.record(a1_step, out.a2)
-        record.update(
-            {k: v for k, v in epsilons.items() if k.startswith("epsilon")},
-            noise_std=settings.noise_multiplier * settings.clipping_norm / out.participants,
-            examples_a1=max(out.examples - out.a2_examples, 0),
-            examples_a2=out.a2_examples,
-            heldout_loss=_evaluate(loop.setup, arrays),
-        )
-    else:
+    stopping = out.stop
+    if out.accepted and out.update is not None:
+        try:
+            loop.ledger.plan(a1_step, [*out.a2_steps, *reserve], what=f"releasing round {server_round}")
+        except BudgetExceeded as exc:
+            record["reason"] = f"discarded before release: {exc}"
+            stopping = f"budget: {exc}"
+            log.warning("round %d is discarded: %s", server_round, exc)
+        else:
+            arrays = [g + u for g, u in zip(arrays, out.update, strict=True)]
+            epsilons = loop.ledger.record(a1_step, out.a2_steps)
+            record.update(
+                {
+                    k: (None if settings.no_privacy else v)
+                    for k, v in epsilons.items()
+                    if k.startswith("epsilon")
+                },
+                accepted=True,
+                noise_std=settings.noise_multiplier * settings.clipping_norm / out.participants,
+                a1_contributions_noised=out.a1_noised,
+                heldout_loss=_evaluate(loop.setup, arrays),
+            )
+    if not record["accepted"]:
         loop.ledger.rounds.append({"round": server_round, "delta": settings.delta, "released": False})
     record["seconds"] = time.monotonic() - started
-    return arrays, record
+    return arrays, record, stopping
+
+
+def _release_pool_counts(
+    state: ServerState, ledger: Ledger, settings: FederatedConfig, setup: ServerSetup
+) -> None:
+    """Release the A.2 pool's counts once, noised and accounted (its step was kept in reserve by
+    every round's budget check); not at all when there is no pool or the budget forbids it."""
+    if state.pool_counts is not None or setup.a2_pool is None:
+        return
+    step = count_step(settings)
+    try:
+        ledger.plan(None, [step], what="releasing the A.2 pool's noised counts")
+    except BudgetExceeded as exc:
+        state.pool_counts = {"released": False, "reason": f"budget: {exc}"}
+        return
+    eligible = [c for c in DATA_CATEGORIES if c not in NEVER_SHARED]
+    rng = np.random.default_rng()  # seeded from the OS's entropy
+    counts = noised_counts(setup.a2_pool, settings.a2_k, eligible, settings.count_noise_multiplier, rng)
+    ledger.record_release("a2_pool_counts", step)
+    state.pool_counts = {"released": True, **counts}
 
 
 def _fit_round(loop: _RoundLoop, server_round: int, arrays: list[np.ndarray]) -> ScreeningGrid:
@@ -457,10 +628,14 @@ def _fit_round(loop: _RoundLoop, server_round: int, arrays: list[np.ndarray]) ->
 
 
 def _checkpoint(
-    state: ServerState, loop: _RoundLoop, record: dict[str, Any], arrays: list[np.ndarray]
+    state: ServerState,
+    loop: _RoundLoop,
+    record: dict[str, Any],
+    arrays: list[np.ndarray],
+    stopping: str | None,
 ) -> None:
-    """The completed round into the state (contributors, record, ledger), saved with its arrays."""
-    state.contributors = sorted(set(state.contributors) | set(loop.strategy.outcome.contributors))
+    """The completed round into the state (record, ledger, why it stops), saved with its arrays."""
+    state.stopped = stopping
     state.round = record["round"]
     state.records.append(record)
     state.ledger = asdict(loop.ledger)

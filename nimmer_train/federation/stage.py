@@ -33,7 +33,6 @@ from nimmer_train.federation.population import build_population, deliver_uploads
 from nimmer_train.federation.rounds import ServerSetup, ServerState
 from nimmer_train.loras.adapters import read_metadata
 from nimmer_train.loras.stage import LoraResult
-from nimmer_train.privacy.a2_pool import pool_summary
 
 log = logging.getLogger(__name__)
 FED_VERSION = 1
@@ -189,9 +188,7 @@ def _apps(
 
     def done(_: Any, settings_: Any, setup: ServerSetup, state: ServerState) -> None:
         published.update(
-            results.publish_federated(
-                p.out, setup.model, p.adapter_dir, p.fingerprint, s, state, pool_summary(pool, s.a2_k)
-            )
+            results.publish_federated(p.out, setup.model, p.adapter_dir, p.fingerprint, s, state)
         )
 
     sapp = server_app(lambda _: s, setup_of, done, lambda _: report)
@@ -212,15 +209,14 @@ def _round_metrics(record: dict[str, Any]) -> dict[str, float]:
 
 def _log_federation(fed: dict[str, Any], out: Path, seconds: float) -> None:
     """The federation's privacy outcome, duration, stop reason and records on the stage run."""
-    mlflow.log_metrics(
-        {
-            "epsilon_a1_user_level": fed["epsilon_a1_user_level"],
-            "epsilon_a2_record_level": fed["epsilon_a2_record_level"],
-            "contributors_a1": fed["contributors_a1"],
-            "uploads_a2": fed["uploads_a2"],
-            "federation_seconds": seconds,
-        }
-    )
+    figures = {
+        "epsilon_a1_user_level": fed["epsilon_a1_user_level"],  # None: no privacy guarantee
+        "epsilon_a2_record_level": fed["epsilon_a2_record_level"],
+        "contributors_a1_noised": fed["contributors_a1"],
+        "uploads_a2_noised": fed["uploads_a2"],
+        "federation_seconds": seconds,
+    }
+    mlflow.log_metrics({k: float(v) for k, v in figures.items() if v is not None})
     mlflow.set_tags({"federated_adapter": str(out), "stopped": str(fed["stopped"])})
     for name in (results.ROUNDS, results.CONTRIBUTED, results.CARD):
         mlflow.log_artifact(str(out / name), "federation")
@@ -228,11 +224,16 @@ def _log_federation(fed: dict[str, Any], out: Path, seconds: float) -> None:
 
 def _print_outcome(out: Path, fed: dict[str, Any], delta: float) -> None:
     after = fed["heldout_loss_after"]
+
+    def eps(value: float | None) -> str:
+        return "none (no privacy guarantee)" if value is None else f"{value:.3f}"
+
     print(
         f"federated adapter: {out} ({fed['rounds']} rounds, stopped: {fed['stopped']}); held-out loss "
         f"{fed['heldout_loss_before']:.3f} -> {after if after is None else f'{after:.3f}'}; epsilon A.1 "
-        f"{fed['epsilon_a1_user_level']:.3f} (user), A.2 {fed['epsilon_a2_record_level']:.3f} (record) "
-        f"at delta {delta:g}"
+        f"{eps(fed['epsilon_a1_user_level'])} (user), A.2 {eps(fed['epsilon_a2_record_level'])} (record) "
+        f"at delta {delta:g}; noised counts: ~{fed['contributors_a1']} A.1 contributors, "
+        f"~{fed['uploads_a2']} A.2 uploads"
     )
 
 

@@ -1,14 +1,17 @@
 """What crosses the wire: the trainable LoRA tensors of one adapter, in a fixed order, float32.
 
-Never text, never ids: a contributor's reply is the arrays below plus one scalar array holding
-its example count (scaled into SecAgg+'s quantisation range), which only ever reaches the server
-summed with everyone else's. :func:`check_update` is the one validity check, used on the device
-before masking and on the server for anything it can see.
+Never text, never ids, never counts: a contributor's reply is its *contribution*, the update
+(trained minus global adapter) in the arrays below plus one scalar array, the A.1 indicator
+(:func:`indicator_value` for a real A.1 update, 0 for any other node), the whole vector clipped
+to the clipping norm C (:func:`contribution_bound`). It only ever reaches the server summed with
+everyone else's. :func:`check_update` is the one validity check, used on the device before
+masking and on the server for anything it can see.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,7 +20,46 @@ import numpy as np
 if TYPE_CHECKING:  # the client's SecAgg+ stages import this module; only training needs torch
     import torch
 
-EXAMPLES_SCALE = 1024.0  # count / scale stays inside SecAgg+'s clipping range of [-8, 8]
+# The A.1 indicator is A1_INDICATOR_SHARE * C; the update keeps the rest of the norm,
+# sqrt(C^2 - s^2) (0.87 C). One Gaussian mechanism of sensitivity C then covers the update sum and
+# the count of real A.1 updates (indicator sum / s), which the server learns exactly from the
+# unmasked sum (its threshold) and releases only noised, with noise std z C / s = 2 z.
+A1_INDICATOR_SHARE = 0.5
+A1_UPDATE = "a1-update"  # the client's private note to its own mods; stripped before the reply
+A2_METRICS = ("a2-noise", "a2-sample-rate", "a2-steps")  # the server-operated A.2 node's step
+QUANTUM = "secagg-quantum"  # fit-config key: SecAgg+'s quantisation step (0 without SecAgg+)
+
+
+def indicator_value(clipping_norm: float) -> float:
+    return A1_INDICATOR_SHARE * clipping_norm
+
+
+def secagg_quantum(clipping_range: float, quantization_range: int) -> float:
+    """The width of one SecAgg+ quantisation step: [-R, R] onto integers 0..Q."""
+    return 2 * clipping_range / quantization_range
+
+
+def contribution_bound(clipping_norm: float, coordinates: int, quantum: float) -> float:
+    """The norm a node clips its contribution (float64) to, so that what the server's sum
+    receives from it, after the float32 recast and SecAgg+'s quantisation, has norm <= C.
+
+    Derivation (flwr 1.42 ``quantize``/``dequantize``, max_weight 1 so the weight ratio is
+    exactly 1): per coordinate, ``pre = (clip(v, -R, R) + R) * Q / (2R)`` is computed in float32
+    (v is float32): the sum rounds by <= 2^-24 * 2R, i.e. <= 2^-24 Q = 0.25 quantum steps, the
+    float32 quantiser and the product by <= 2 * 2^-24 relative, <= 0.5 steps; stochastic rounding
+    then moves it by < 1 step. Dequantised (float64), each coordinate is off by < 1.75 < 2 steps
+    of width ``quantum`` = 2R / Q, so the contribution moves by < 2 sqrt(D) quantum in L2 over D
+    coordinates. The float32 recast of the clipped float64 vector scales its norm by at most
+    1 + 2^-24. So clip to (C - 2 sqrt(D) quantum) (1 - 2^-22). This holds for Q <= 2^22 (the
+    float32 steps grow with Q); with R = C and Q = 2^22 the margin is sqrt(D) C 2^-20 (2e-4 C for
+    D = 50,000)."""
+    margin = 2 * math.sqrt(coordinates) * quantum
+    if margin >= clipping_norm - indicator_value(clipping_norm):
+        raise ValueError(
+            f"SecAgg+'s rounding margin {margin:.3g} for {coordinates} coordinates leaves no room under the "
+            f"clipping norm {clipping_norm}; use a finer quantisation"
+        )
+    return (clipping_norm - margin) * (1 - 2**-22)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
-"""The train_loras stage: one nested MLflow run per register adapter, then the evaluation
-matrix (CSV and image), separability, mean gain and sample generations on the parent run."""
+"""The train_loras stage: one nested MLflow run per register adapter, then the evaluation on the
+parent run: loss matrices per evaluation set and token class (CSV with n and intervals, image),
+separability and mean gain on utterance tokens with bootstrap intervals, sample generations; and
+``evaluation.json`` beside the adapters, which the publish stage puts in the model card."""
 
 from __future__ import annotations
 
@@ -13,18 +15,17 @@ import mlflow
 from datasets import load_from_disk
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import MANIFEST, intact_manifest
+from nimmer_train.artifacts import MANIFEST, intact_manifest, write_json_atomic
 from nimmer_train.base.build import plan
 from nimmer_train.config import Config
 from nimmer_train.corpus.ingest import IngestResult, ingest
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import base_identity
+from nimmer_train.loras.evaluation import BASE, EVAL_SETS, HEADLINE, TOKEN_CLASSES, Evaluation, evaluate
 from nimmer_train.loras.train import (
-    Evaluation,
     RegisterData,
     adapter_fingerprint,
     check_hardware,
-    evaluate,
     publish_adapter,
     register_data,
     train_adapter,
@@ -34,6 +35,7 @@ from nimmer_train.synth.synthesize import SynthResult, find_synth
 from nimmer_train.voice.registers import Register
 
 log = logging.getLogger(__name__)
+EVALUATION = "evaluation.json"  # in the adapters' folder: the last evaluation and the adapters it scored
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ def train_loras_stage(
     check_hardware(settings)
     inputs = _inputs(cfg, corpus, synth, base_dir)
     adapters: dict[str, Path] = {}
-    heldout = {}
+    heldout: dict[str, dict[str, list]] = {name: {} for name in EVAL_SETS}
     skipped: dict[str, str] = {}
     evaluation = None
     with tracking.stage_run(cfg, pipeline, "train_loras") as parent:
@@ -69,18 +71,26 @@ def train_loras_stage(
                 log.warning("skipping register %s: %s", name, skipped[name])
                 continue
             adapters[name] = _adapter(cfg, pipeline, inputs, name, register, data)
-            heldout[name] = data.heldout
-        evaluable = {n: p for n, p in adapters.items() if heldout[n]}
-        if evaluable:
-            evaluation = evaluate(inputs.base_dir, evaluable, heldout, cfg.registers, settings)
+            for set_name in EVAL_SETS:
+                heldout[set_name][name] = data.heldout[set_name]
+        if any(heldout[HEADLINE[0]].values()):
+            evaluation = evaluate(inputs.base_dir, adapters, heldout, cfg.registers, settings)
+            write_json_atomic(
+                inputs.root / EVALUATION,
+                {"adapters": {n: p.name for n, p in adapters.items()}, **evaluation.summary()},
+            )
             if parent:
                 _log_evaluation(evaluation)
         if parent:
             mlflow.set_tags({"base": inputs.base["label"], "skipped": str(skipped)})
     if evaluation:
+        head = evaluation.headline
+        sep, gain = head.separability, head.mean_gain
+        n = ", ".join(f"{r} {row[BASE].n}" for r, row in head.matrix.items())
         print(
-            f"adapters: {inputs.root} ({len(adapters)} registers); separability "
-            f"{evaluation.separability:.2f}, mean loss gain over base {evaluation.mean_gain:.3f}"
+            f"adapters: {inputs.root} ({len(adapters)} registers); on utterance tokens of held-out "
+            f"scenes: separability {sep.value:.2f} [{sep.low:.2f}, {sep.high:.2f}], mean loss gain "
+            f"over base {gain.value:.3f} [{gain.low:.3f}, {gain.high:.3f}] (n: {n})"
         )
     return LoraResult(inputs.root, adapters, skipped, evaluation)
 
@@ -164,7 +174,7 @@ def _train_and_publish(
     metrics.update(
         r1_examples=data.r1_examples,
         literary_examples=data.literary_examples,
-        heldout_examples=len(data.heldout),
+        **{f"heldout_examples_{k}": len(v) for k, v in data.heldout.items()},
     )
     publish_adapter(
         model,
@@ -184,37 +194,44 @@ def _train_and_publish(
 
 
 def _log_evaluation(ev: Evaluation) -> None:
+    """Per evaluation set and token class a CSV matrix (loss, interval, n); the headline matrix as
+    an image; the flat metrics; the summary; the samples."""
+    for name in EVAL_SETS:
+        for cls in TOKEN_CLASSES:
+            rows = ev.table(name, cls)
+            if rows:
+                header = list(rows[0])
+                lines = [",".join(header)] + [",".join(f'"{r[h]}"' for h in header) for r in rows]
+                mlflow.log_text("\n".join(lines) + "\n", f"evaluation/heldout_loss_{name}_{cls}.csv")
+    _log_matrix_image(ev)
+    mlflow.log_metrics(ev.metrics())
+    mlflow.log_dict(ev.summary(), "evaluation/summary.json")
+    if ev.samples:
+        mlflow.log_table({k: [s[k] for s in ev.samples] for k in ev.samples[0]}, "evaluation/samples.json")
+
+
+def _log_matrix_image(ev: Evaluation) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = ev.rows()
-    header = ["data", "base", *ev.registers]
-    csv = "\n".join([",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]) + "\n"
-    mlflow.log_text(csv, "evaluation/heldout_loss_matrix.csv")
-    fig, ax = plt.subplots(figsize=(1.5 + 0.9 * len(header), 1.5 + 0.6 * len(rows)))
-    values = [[r[h] for h in header[1:]] for r in rows]
+    head = ev.headline
+    columns = [BASE, *ev.registers]
+    values = [[head.matrix[r][c].loss for c in columns] for r in head.registers]
+    fig, ax = plt.subplots(figsize=(1.5 + 0.9 * len(columns), 1.5 + 0.6 * len(values)))
     image = ax.imshow(values, cmap="viridis_r")
-    ax.set_xticks(range(len(header) - 1), header[1:], rotation=30, ha="right")
-    ax.set_yticks(range(len(rows)), [r["data"] for r in rows])
+    ax.set_xticks(range(len(columns)), columns, rotation=30, ha="right")
+    ax.set_yticks(range(len(values)), [f"{r} (n={head.matrix[r][BASE].n})" for r in head.registers])
     ax.set_xlabel("adapter (base = no adapter)")
-    ax.set_ylabel("held-out data of register")
+    ax.set_ylabel("held-out scenes of register")
+    ax.set_title(f"utterance-token loss, {HEADLINE[0]}", fontsize=9)
     for i, row in enumerate(values):
         for j, value in enumerate(row):
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white", fontsize=8)
-    fig.colorbar(image, ax=ax, label="held-out loss")
+    fig.colorbar(image, ax=ax, label="held-out loss (nats/token)")
     fig.tight_layout()
     mlflow.log_figure(
         fig, "evaluation/heldout_loss_matrix.png", save_kwargs={"bbox_inches": "tight", "dpi": 120}
     )
     plt.close(fig)
-    mlflow.log_metrics(
-        {
-            "separability": ev.separability,
-            "mean_loss_gain": ev.mean_gain,
-            **{f"heldout_loss_own.{r}": ev.matrix[r][r] for r in ev.registers},
-            **{f"heldout_loss_base.{r}": ev.base[r] for r in ev.registers},
-        }
-    )
-    mlflow.log_table({k: [s[k] for s in ev.samples] for k in ev.samples[0]}, "evaluation/samples.json")

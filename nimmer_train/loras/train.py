@@ -1,6 +1,6 @@
 """Register trait-LoRAs: one PEFT adapter per register, trained with TRL's SFTTrainer on the
-register's r1 conversations plus slices of its literary affinities, then evaluated as a
-register x adapter matrix of held-out losses.
+register's r1 conversations plus slices of its literary affinities (the evaluation, a register x
+adapter matrix of held-out losses, is in :mod:`nimmer_train.loras.evaluation`).
 
 Each adapter lands in ``artifacts/loras/<base>/<register>-<fingerprint>/`` (atomically, with a
 manifest); a finished adapter is never retrained, a killed one resumes from its last Trainer
@@ -35,9 +35,9 @@ from nimmer_train.artifacts import (
 )
 from nimmer_train.config import LoraConfig
 from nimmer_train.errors import NimmerError
-from nimmer_train.loras.adapters import METADATA, load_all
-from nimmer_train.voice.registers import Register, RegistersConfig
-from nimmer_train.voice.sampling import baseline
+from nimmer_train.loras.adapters import METADATA
+from nimmer_train.synth.synthesize import VALIDATION, VALIDATION_UNFILTERED
+from nimmer_train.voice.registers import Register
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +64,20 @@ def check_hardware(settings: LoraConfig) -> None:
 @dataclass(frozen=True)
 class RegisterData:
     train: list[Conversation]
-    heldout: list[Conversation]
+    heldout: dict[str, list[Conversation]]  # by evaluation set (loras.evaluation.EVAL_SETS)
     r1_examples: int
     literary_examples: int
 
 
 def register_data(name: str, register: Register, r1: Any, corpus: Any, settings: LoraConfig) -> RegisterData:
     """The register's r1 conversations plus literary passages from its affinities (train), and
-    its r1 validation conversations (held out)."""
+    the conversations of its held-out scenes (never trained on): the curated ones ("r1") and every
+    schema-valid teacher reply before curation ("r0"), at most ``eval_max_examples`` of each."""
     train = [row["messages"] for row in r1["train"] if row["register"] == name]
-    heldout = [row["messages"] for row in r1["validation"] if row["register"] == name]
+    heldout = {
+        "r1": [row["messages"] for row in r1[VALIDATION] if row["register"] == name],
+        "r0": [row["messages"] for row in r1[VALIDATION_UNFILTERED] if row["register"] == name],
+    }
     works = set(register.literary_affinities)
     chunks = [row for row in corpus["train"] if row["work"] in works]
     n_literary = min(len(chunks), round(settings.literary_weight * len(train)))
@@ -87,9 +91,8 @@ def register_data(name: str, register: Register, r1: Any, corpus: Any, settings:
     ]
     mixed = train + literary
     order = rng.permutation(len(mixed))
-    return RegisterData(
-        [mixed[i] for i in order], heldout[: settings.eval_max_examples], len(train), n_literary
-    )
+    capped = {k: v[: settings.eval_max_examples] for k, v in heldout.items()}
+    return RegisterData([mixed[i] for i in order], capped, len(train), n_literary)
 
 
 def adapter_fingerprint(
@@ -251,9 +254,10 @@ def encode(
 
 
 @torch.no_grad()
-def heldout_loss(model: Any, batch: list[dict[str, list[int]]], pad_id: int) -> float:
-    """Token-weighted mean loss over the assistant tokens of ``batch``."""
-    total, count = 0.0, 0
+def token_losses(model: Any, batch: list[dict[str, list[int]]], pad_id: int) -> list[np.ndarray]:
+    """For each row of ``batch``, the loss (nats) of every labelled token at the token's own
+    position (NaN where there is no label: the prompt, and the first position)."""
+    out: list[np.ndarray] = []
     device = next(model.parameters()).device
     for start in range(0, len(batch), 8):
         part = batch[start : start + 8]
@@ -268,89 +272,20 @@ def heldout_loss(model: Any, batch: list[dict[str, list[int]]], pad_id: int) -> 
         attention = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
         logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
         target = labels[:, 1:]
-        total += torch.nn.functional.cross_entropy(
-            logits.transpose(1, 2), target, ignore_index=-100, reduction="sum"
-        ).item()
-        count += int((target != -100).sum())
-    return total / max(count, 1)
+        losses = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), target, ignore_index=-100, reduction="none"
+        )
+        losses = losses.masked_fill(target == -100, float("nan")).cpu().double().numpy()
+        for row, x in enumerate(part):
+            out.append(np.concatenate([[np.nan], losses[row, : len(x["input_ids"]) - 1]]))
+    return out
 
 
-@dataclass(frozen=True)
-class Evaluation:
-    registers: list[str]
-    base: dict[str, float]  # held-out loss of the bare base, by data register
-    matrix: dict[str, dict[str, float]]  # matrix[data register][adapter register]
-    samples: list[dict[str, str]]
-
-    @property
-    def separability(self) -> float:
-        """Fraction of registers whose own adapter has the lowest held-out loss on their data."""
-        wins = [min(self.matrix[r], key=self.matrix[r].__getitem__) == r for r in self.registers]
-        return sum(wins) / len(wins)
-
-    @property
-    def mean_gain(self) -> float:
-        """Mean over registers of (base loss - own-adapter loss) on the register's held-out data."""
-        return float(np.mean([self.base[r] - self.matrix[r][r] for r in self.registers]))
-
-    def rows(self) -> list[dict[str, Any]]:
-        return [{"data": r, "base": self.base[r], **self.matrix[r]} for r in self.registers]
-
-
-def evaluate(
-    base_dir: Path,
-    adapters: dict[str, Path],
-    heldout: dict[str, list[Conversation]],
-    catalogue: RegistersConfig,
-    settings: LoraConfig,
-) -> Evaluation:
-    """Held-out losses of the base alone and with every adapter, switched per call on one model."""
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    model = load_all(base_dir, list(adapters.values()))
-    names = list(adapters)
-    base: dict[str, float] = {}
-    matrix: dict[str, dict[str, float]] = {}
-    samples = []
-    for data_reg in names:
-        batch = [encode(tokenizer, c, settings.max_length) for c in heldout[data_reg]]
-        with model.disable_adapter():
-            base[data_reg] = heldout_loss(model, batch, tokenizer.pad_token_id)
-        matrix[data_reg] = {}
-        for adapter in names:
-            model.set_adapter(adapter)
-            matrix[data_reg][adapter] = heldout_loss(model, batch, tokenizer.pad_token_id)
-        samples.append(_sample(model, tokenizer, data_reg, heldout[data_reg][0], catalogue, settings))
-    return Evaluation(names, base, matrix, samples)
-
-
-def _sample(
-    model: Any,
-    tokenizer: Any,
-    register: str,
-    conversation: Conversation,
-    catalogue: RegistersConfig,
-    settings: LoraConfig,
-) -> dict[str, str]:
-    """One generation with the register's adapter at the register's baseline sampling."""
-    model.set_adapter(register)
-    knobs = baseline(catalogue, register)
-    prompt = tokenizer.apply_chat_template(
-        conversation[:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    ).to(next(model.parameters()).device)
-    torch.manual_seed(settings.seed)
-    out = model.generate(
-        **prompt,
-        **knobs.generate_kwargs(),
-        max_new_tokens=settings.sample_max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    text = tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
-    return {
-        "register": register,
-        "player": conversation[-2]["content"],
-        "reference": conversation[-1]["content"],
-        "generated": text,
-    }
+def heldout_loss(model: Any, batch: list[dict[str, list[int]]], pad_id: int) -> float:
+    """Token-weighted mean loss over the assistant tokens of ``batch``."""
+    losses = np.concatenate(token_losses(model, batch, pad_id) or [np.array([np.nan])])
+    scored = losses[~np.isnan(losses)]
+    return float(scored.sum() / max(len(scored), 1))
 
 
 def publish_adapter(model: Any, out: Path, fp: str, metadata: dict[str, Any]) -> None:

@@ -1,5 +1,6 @@
 """The knowledge stack: world and district canon with paced propagation, and per-turn assembly
-of the four layers (world, district, primary, and clasp only in the in-between).
+of the four layers (world, district, primary, and clasp only in the in-between, and only for a
+prompt that stays on the device).
 
 Canon rows carry priority (urgent / normal / background), scope (world / district / local),
 rate (ticks per district hop; 0 = instant) and ttl (ticks a district keeps a row after it
@@ -117,12 +118,15 @@ def assemble(
     budgets: dict[str, int],
     count: Callable[[str], int] = word_tokens,
     k: int = 8,
+    local: bool = False,
 ) -> MemoryScope:
     """The turn's knowledge stack as the prompt DSL's memory_scope, each layer within its budget.
 
     Layers: world canon known in ``district``, that district's own canon, the player's primary
-    memories for ``query``, and in IN_BETWEEN mode the clasp memories too. Deterministic for a
-    given store, tick and query.
+    memories for ``query``, and in IN_BETWEEN mode the clasp memories too, but only when the
+    prompt stays on the device (``local``: an in-process ring, Ring A). For any other ring the
+    clasp store is not even read: the clasp has no transport path. Deterministic for a given
+    store, tick and query.
     """
     unknown = set(budgets) - {"world", "district", "primary", "clasp"}
     if unknown:
@@ -131,9 +135,10 @@ def assemble(
         "world": _canon_layer(memory, district, ("world",)),
         "district": _canon_layer(memory, district, ("district", "local")),
     }
-    hits = memory.retrieve(query, k=k, mode=mode)
+    with_clasp = mode is Mode.IN_BETWEEN and local
+    hits = memory.retrieve(query, k=k, mode=mode if with_clasp else Mode.REALWORLD)
     layers["primary"] = [h.entry.text for h in hits if h.store == "primary"]
-    if mode is Mode.IN_BETWEEN:
+    if with_clasp:
         layers["clasp"] = [h.entry.text for h in hits if h.store == "clasp"]
     names = tuple(name for name in ("world", "district", "primary", "clasp") if name in layers)
     items = tuple(line for name in names for line in _within(layers[name], budgets.get(name, 0), count))

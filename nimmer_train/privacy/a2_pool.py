@@ -1,14 +1,21 @@
 """The server's A.2 intake: anonymised uploads pooled in SQLite, trained on only once at least
 k are pooled, with forward-only deletion (a deleted upload is left out of every later training
-read; what was already trained on stays trained)."""
+read; what was already trained on stays trained).
+
+The pool's counts leave the server only through :func:`noised_counts`: the Gaussian mechanism on
+(uploads, examples per data category), accounted in the A.2 record-level ledger."""
 
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import time
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
+
+import numpy as np
 
 from nimmer_train.errors import NimmerError
 from nimmer_train.privacy.anonymize import Upload
@@ -73,6 +80,14 @@ class A2Pool:
         counts = Counter(str(r.get("data_category", "unknown")) for r in rows)
         return {"uploads": live, "examples": len(rows), "categories": dict(sorted(counts.items()))}
 
+    def counts(self) -> dict:
+        """Exact counts over every live upload, whatever k (for :func:`noised_counts` only: a
+        count that appears only above k would jump by a whole pool for one record)."""
+        rows = self.db.execute("SELECT examples FROM uploads").fetchall()
+        examples = [e for (blob,) in rows for e in json.loads(blob)]
+        counts = Counter(str(e.get("data_category", "unknown")) for e in examples)
+        return {"uploads": len(rows), "categories": dict(counts)}
+
     def close(self) -> None:
         self.db.close()
 
@@ -86,3 +101,37 @@ def pool_summary(path: Path | None, k: int) -> dict:
         return pool.summary()
     finally:
         pool.close()
+
+
+# One record (one pooled example) moves its upload count by at most 1 (when it is the only
+# example of its upload) and one category count by 1: L2 sensitivity sqrt(2).
+COUNT_SENSITIVITY = math.sqrt(2)
+
+
+def noised_counts(
+    path: Path | None, k: int, categories: Iterable[str], noise_multiplier: float, rng: np.random.Generator
+) -> dict:
+    """The pool's upload count and per-category example counts with Gaussian noise of std
+    ``noise_multiplier * sqrt(2)`` on each figure: one Gaussian mechanism of noise multiplier
+    ``noise_multiplier`` (account it as the step (noise_multiplier, 1.0, 1)). Every category in
+    ``categories`` is released (zero ones too: which categories appear is itself a count), plus
+    ``unknown`` for examples without one. ``rng`` must be seeded from the OS's entropy."""
+    exact = {"uploads": 0, "categories": {}}
+    if path is not None and path.exists():
+        pool = A2Pool(path, k)
+        try:
+            exact = pool.counts()
+        finally:
+            pool.close()
+    std = noise_multiplier * COUNT_SENSITIVITY
+    names = [*dict.fromkeys([*categories, "unknown"])]
+    noisy = {c: float(exact["categories"].get(c, 0) + rng.normal(0.0, std)) for c in names}
+    unlisted = set(exact["categories"]) - set(names)
+    if unlisted:  # a category outside the public list would leak by its name: count it as unknown
+        noisy["unknown"] += sum(exact["categories"][c] for c in unlisted)
+    return {
+        "uploads": float(exact["uploads"] + rng.normal(0.0, std)),
+        "categories": noisy,
+        "noise_std": std,
+        "noise_multiplier": noise_multiplier,
+    }

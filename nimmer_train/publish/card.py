@@ -1,6 +1,7 @@
 """The model card of a published version, in the Hugging Face format (YAML front matter + Markdown).
 
-It holds aggregate privacy figures only: epsilon, delta and contributor counts, never an id."""
+It holds aggregate privacy figures only: epsilon (with the mechanism each covers), delta and noised
+contributor counts, never an id or an exact count."""
 
 from __future__ import annotations
 
@@ -74,8 +75,11 @@ def render(manifest: dict[str, Any], license_: str) -> str:
         )
     lines += [
         f"- Player data: A.1 federated {player['A1_federated']['contributors']} contributors, "
-        f"A.2 anonymized {player['A2_anonymized']['uploads']} uploads, A.3 none, opt-out players never.",
+        f"A.2 anonymized {player['A2_anonymized']['uploads']} uploads"
+        + (" (noised estimates)" if player.get("counts_noised") else "")
+        + ", A.3 none, opt-out players never.",
         "",
+        *_evaluation_lines(manifest.get("register_evaluation")),
         "## Intended use",
         "",
         "Generating in-world NPC dialogue for nimmerworld, as the substrate for register trait-LoRAs, "
@@ -93,16 +97,103 @@ def render(manifest: dict[str, Any], license_: str) -> str:
         "",
         "## Privacy",
         "",
-        f"- Delta: {privacy['delta']:g}",
-        f"- A.1 federated (user-level DP): epsilon {_fmt(privacy['epsilon_a1_user_level'])}, "
-        f"{privacy['contributors_a1']} contributors",
-        f"- A.2 anonymized (record-level DP): epsilon {_fmt(privacy['epsilon_a2_record_level'])}, "
-        f"{privacy['uploads_a2']} uploads",
-        f"- differential_privacy_epsilon (the registry's figure, for A.2 contributions): "
-        f"{_fmt(manifest['differential_privacy_epsilon'])}; "
-        f"contributors_count: {manifest['contributors_count']}",
-        "- Contributor ids are pseudonymous and are not part of this card; player ids never reach "
-        f"the server. Never-shared data categories ({', '.join(privacy['never_shared'])}) are never used.",
+        *_privacy_lines(manifest, privacy),
+        "- Contributor ids are not part of this card and the server never learns them (SecAgg+ hides "
+        "who contributed); player ids never reach the server. Never-shared data categories "
+        f"({', '.join(privacy['never_shared'])}) are never used.",
         "",
     ]
     return "\n".join(lines)
+
+
+def _privacy_lines(manifest: dict[str, Any], privacy: dict[str, Any]) -> list[str]:
+    """Each epsilon with exactly the mechanism it covers; counts marked as noised estimates."""
+    mechanisms = privacy.get("mechanisms") or {}
+    noised = " (noised estimate)" if privacy.get("counts_noised") else ""
+    if privacy.get("no_privacy"):
+        return [
+            "- **No privacy guarantee**: the merged federation ran with `federated.no_privacy` (a noise "
+            "multiplier of 0 is allowed there); no epsilon is published.",
+            f"- A.1 federated: {privacy['contributors_a1']} contributors; A.2 anonymized: "
+            f"{privacy['uploads_a2']} uploads (counts with the configured noise only, exact where a noise "
+            "multiplier was 0)",
+        ]
+    lines = [
+        f"- Delta: {privacy['delta']:g}",
+        f"- A.1 federated (user-level DP): epsilon {_fmt(privacy['epsilon_a1_user_level'])}, "
+        f"{privacy['contributors_a1']} contributors{noised}",
+    ]
+    if mechanisms.get("epsilon_a1_user_level"):
+        lines.append(f"  - covers: {mechanisms['epsilon_a1_user_level']}")
+    lines.append(
+        f"- A.2 anonymized (record-level DP): epsilon {_fmt(privacy['epsilon_a2_record_level'])}, "
+        f"{privacy['uploads_a2']} uploads{noised}"
+    )
+    if mechanisms.get("epsilon_a2_record_level"):
+        lines.append(f"  - covers: {mechanisms['epsilon_a2_record_level']}")
+    if mechanisms.get("local_dp_a1_devices"):
+        lines.append(f"- Local DP-SGD on A.1 devices: {mechanisms['local_dp_a1_devices']}")
+    lines.append(
+        f"- differential_privacy_epsilon (the registry's figure, for A.2 contributions): "
+        f"{_fmt(manifest['differential_privacy_epsilon'])}; "
+        f"contributors_count: {manifest['contributors_count']}{noised}"
+    )
+    if privacy.get("counts_noised"):
+        lines.append(
+            "- Counts from the federation are noised estimates (Gaussian noise, covered by the epsilons "
+            "above): contributors_count is the largest noised per-round A.1 count plus the noised A.2 "
+            "uploads, rounded at 0 or more; no exact count of anyone's data is published."
+        )
+    return lines
+
+
+_SETS = {"r1": "curated replies", "r0": "every schema-valid reply, before curation"}
+
+
+def _ci(est: dict[str, Any], digits: int = 3) -> str:
+    if est["value"] is None:
+        return "n/a"
+    if est["low"] is None:
+        return f"{est['value']:.{digits}f}"
+    return f"{est['value']:.{digits}f} [{est['low']:.{digits}f}, {est['high']:.{digits}f}]"
+
+
+def _evaluation_lines(ev: dict[str, Any] | None) -> list[str]:
+    """The register LoRAs' held-out evaluation (nimmer_train/loras/evaluation.py): separability and
+    mean gain on utterance tokens with 95% bootstrap intervals, and n per cell."""
+    if not ev:
+        return []
+    lines = [
+        "## Register LoRA evaluation",
+        "",
+        "Held-out losses (nats per token) on scenes no adapter was trained on, scored on the "
+        "utterance's tokens only (the JSON format, which every adapter learns alike, apart). "
+        f"Brackets: {ev['confidence']:.0%} bootstrap intervals over conversations; n: conversations. "
+        "Separability: share of registers whose own adapter has the lowest loss; margin: best rival "
+        "adapter's loss minus the own adapter's (above 0: the own adapter wins).",
+        "",
+    ]
+    for name, label in _SETS.items():
+        scores = ev["scores"].get(name, {})
+        utterance, fmt = scores.get("utterance"), scores.get("format")
+        if not utterance or not utterance["registers"]:
+            continue
+        lines += [
+            f"**{name}** ({label}): separability {_ci(utterance['separability'], 2)}, mean gain over the "
+            f"base {_ci(utterance['mean_gain'])} on utterance tokens"
+            + (f" ({_ci(fmt['mean_gain'])} on format tokens)" if fmt else "")
+            + ".",
+            "",
+            "| register | n | utterance tokens | base | own adapter | margin |",
+            "|---|---|---|---|---|---|",
+        ]
+        for register in utterance["registers"]:
+            row = utterance["matrix"][register]
+            base, own = row["base"], row[register]
+            lines.append(
+                f"| {register} | {base['n']} | {base['tokens']} | {base['loss']:.3f} | "
+                f"{_ci({'value': own['loss'], 'low': own['low'], 'high': own['high']})} | "
+                f"{_ci(utterance['margins'][register])} |"
+            )
+        lines.append("")
+    return lines

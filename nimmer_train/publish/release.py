@@ -53,10 +53,10 @@ class PublishRequest:
     base_dir: Path  # a built base folder (artifacts/base/<name>)
     loras: list[Path] = field(default_factory=list)  # register adapters that fit it
     merge_adapter: Path | None = None  # a federated / A.2 adapter to merge into the weights
-    federation_state: Path | None = None  # that federation's server state.json (pseudonymous ids)
     recipe: dict[str, Any] = field(default_factory=dict)  # resolved config of the publishing job
     license: str = "apache-2.0"
     blob_base_url: str | None = None  # where players download from; None: file:// of the releases
+    evaluation: dict[str, Any] | None = None  # the register LoRAs' evaluation (loras/evaluation.py)
 
 
 def _drill(point: str) -> None:
@@ -111,19 +111,23 @@ def _corpus_refs(req: PublishRequest, base_manifest: dict[str, Any], merged: dic
         "synthetic": {"fingerprint": merged["datasets"]["synth"]} if merged else None,
         "player_contributed": {
             "opt_out": {"used": False},
+            # counts from a federation are noised estimates (issue 20): never an exact count
             "A1_federated": {
                 "contributors": fed.get("contributors_a1", 0),
-                "guarantee": "user-level",
-                "examples_per_round": tiers.get("A1_federated", {}).get("examples_per_round", []),
+                "guarantee": tiers.get("A1_federated", {}).get("guarantee", "user-level"),
+                "contributions_per_round_noised": tiers.get("A1_federated", {}).get(
+                    "contributions_per_round_noised", []
+                ),
                 "epsilon": fed.get("epsilon_a1_user_level"),
             },
             "A2_anonymized": {
                 "uploads": fed.get("uploads_a2", 0),
-                "guarantee": "record-level",
-                "examples_per_round": tiers.get("A2_anonymized", {}).get("examples_per_round", []),
-                "data_categories": tiers.get("A2_anonymized", {}).get("data_categories", {}),
+                "guarantee": tiers.get("A2_anonymized", {}).get("guarantee", "record-level"),
+                "data_categories_noised": tiers.get("A2_anonymized", {}).get("data_categories_noised"),
                 "epsilon": fed.get("epsilon_a2_record_level"),
             },
+            "counts_noised": bool(fed.get("counts_noised")),
+            "noised_figures": contributed.get("noised_figures"),
             "A3_pseudonymous_full": {"contributors": 0, "note": "not in scope for training yet"},
             "never_shared": sorted(NEVER_SHARED),
             "federation": fed.get("fingerprint"),
@@ -190,14 +194,6 @@ def _copy_lora(registry: Registry, adapter: Path) -> dict[str, Any]:
         "mlflow_model_version": None,
         "new": True,
     }
-
-
-def _contributors(state_file: Path | None) -> tuple[list[str], str | None]:
-    """The federation's pseudonymous A.1 contributor ids and when its last round ended."""
-    if state_file is None or not state_file.exists():
-        return [], None
-    ids = [c for c in json.loads(state_file.read_text()).get("contributors", []) if c != "a2-pool"]
-    return ids, datetime.fromtimestamp(state_file.stat().st_mtime, UTC).isoformat(timespec="seconds")
 
 
 def publish_version(releases: Path, signing_key: Path, req: PublishRequest) -> tuple[Version, bool]:
@@ -268,7 +264,6 @@ def _publish_locked(
         "parent": parent.id if parent else None,
         "loras": loras,
         "compat": compat,
-        "contributors": _contributors(req.federation_state) if req.merge_adapter else ([], None),
     }
     return label, rows
 
@@ -296,7 +291,9 @@ def _compatible_loras(
                 f"LoRA {lora['lora_id']} was trained on other base weights "
                 f"(sha256 {lora['trained_on_weights_sha256'][:12]}); it does not fit {label}"
             )
-        compat.append({**{k: lora[k] for k in ("lora_id", "register", "fingerprint")}, "relation": relation})
+        # path and file hashes go into the signed manifest: loading trusts them, not the registry
+        keep = ("lora_id", "register", "fingerprint", "path", "files")
+        compat.append({**{k: lora[k] for k in keep}, "relation": relation})
     return compat
 
 
@@ -313,7 +310,9 @@ def _version_manifest(
 ) -> dict[str, Any]:
     """The version's manifest, all but its blob distribution (which lists the staged files)."""
     fed = (merged_meta or {}).get("federation", {})
-    epsilon_a2 = fed.get("epsilon_a2_record_level") if fed.get("uploads_a2") else None
+    # an epsilon is published when its mechanism ran (> 0); None: no player data, or no guarantee
+    # (fed["no_privacy"]). The counts from a federation are noised estimates (issue 20).
+    epsilon_a2 = fed.get("epsilon_a2_record_level") or None
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "version_id": str(uuid.uuid4()),
@@ -326,14 +325,18 @@ def _version_manifest(
         "contributors_count": fed.get("contributors_a1", 0) + fed.get("uploads_a2", 0),
         "privacy": {
             "delta": fed.get("delta", 0.0),
-            "epsilon_a1_user_level": fed.get("epsilon_a1_user_level") if fed.get("contributors_a1") else None,
+            "epsilon_a1_user_level": fed.get("epsilon_a1_user_level") or None,
             "epsilon_a2_record_level": epsilon_a2,
+            "no_privacy": bool(fed.get("no_privacy")),
+            "mechanisms": fed.get("mechanisms", {}),
+            "counts_noised": bool(fed.get("counts_noised")),
             "contributors_a1": fed.get("contributors_a1", 0),
             "uploads_a2": fed.get("uploads_a2", 0),
         },
         "parent_version": parent.label if parent else None,
         "merged_adapter": _merged_adapter(req, merged_meta),
         "compatible_loras": compat,
+        "register_evaluation": req.evaluation,
         "content_fingerprint": fp,
         "weights_sha256": weights,
     }
@@ -439,14 +442,8 @@ def _insert(registry: Registry, label: str, rows: dict[str, Any]) -> None:
             "INSERT INTO lora_compat (lora_id, version_id, relation) VALUES (?, ?, ?)",
             (c["lora_id"], m["version_id"], c["relation"]),
         )
-    fed = (m.get("merged_adapter") or {}).get("federation", "")
-    contributors, uploaded_at = rows["contributors"]
-    for contributor in contributors:
-        db.execute(
-            "INSERT INTO federated_gradient_uploads (upload_id, contributor_id, gradient_blob, uploaded_at, "
-            "federation, aggregated_into_version) VALUES (?, ?, NULL, ?, ?, ?)",
-            (str(uuid.uuid4()), contributor, uploaded_at or m["released_at"], fed, m["version_id"]),
-        )
+    # federated_gradient_uploads gets no rows from a federation: under SecAgg+ the server never
+    # learns who contributed (issue 20), so it has no per-contributor row to write
     db.execute(
         "INSERT INTO aliases (alias, version_id, set_at) VALUES ('candidate', ?, ?) "
         "ON CONFLICT(alias) DO UPDATE SET version_id = excluded.version_id, set_at = excluded.set_at",

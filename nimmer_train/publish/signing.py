@@ -14,8 +14,10 @@ import base64
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -42,10 +44,18 @@ def public_text(public: Ed25519PublicKey) -> str:
 
 
 def generate_key(private_path: Path, trusted_dir: Path | None = None) -> str:
-    """Write a new private key (refusing to overwrite one) and, if given, trust its public half;
-    return its key id."""
-    if private_path.exists():
-        raise NimmerError(f"{private_path} already exists; move it away to rotate, never overwrite a key")
+    """Write a new private key and its public half beside it (refusing to overwrite either, and a
+    private path that ends in .pub, whose public half would land on it) and, if given, trust the
+    public half; return its key id."""
+    pub = private_path.with_suffix(PUBLIC_SUFFIX)
+    if private_path.suffix == PUBLIC_SUFFIX:
+        raise NimmerError(
+            f"{private_path}: a private key's name may not end in {PUBLIC_SUFFIX} (its public half is "
+            f"written beside it as NAME{PUBLIC_SUFFIX}); use e.g. {private_path.with_suffix('.key')}"
+        )
+    for path in (private_path, pub):
+        if path.exists() or path.is_symlink():
+            raise NimmerError(f"{path} already exists; move it away to rotate, never overwrite a key")
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -55,25 +65,37 @@ def generate_key(private_path: Path, trusted_dir: Path | None = None) -> str:
     with os.fdopen(fd, "wb") as fh:
         fh.write(pem)
     kid = key_id(key.public_key())
-    pub = private_path.with_suffix(PUBLIC_SUFFIX)
-    pub.write_text(public_text(key.public_key()))
+    _write_new(pub, public_text(key.public_key()))
     if trusted_dir is not None:
         trust(pub, trusted_dir)
     return kid
 
 
 def trust(public_file: Path, trusted_dir: Path) -> str:
-    """Copy a public key into the trusted folder as ``<key_id>.pub``."""
+    """Copy a public key into the trusted folder as ``<key_id>.pub`` (a no-op if it is there;
+    any other file of that name is never overwritten)."""
     public = _read_public(public_file)
     kid = key_id(public)
     trusted_dir.mkdir(parents=True, exist_ok=True)
-    (trusted_dir / f"{kid}{PUBLIC_SUFFIX}").write_text(public_text(public))
+    target = trusted_dir / f"{kid}{PUBLIC_SUFFIX}"
+    if target.exists() or target.is_symlink():
+        if not target.is_symlink() and target.read_bytes() == public_text(public).encode():
+            return kid
+        raise NimmerError(f"{target} already exists and is not this public key; refusing to overwrite it")
+    _write_new(target, public_text(public))
     return kid
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Create ``path`` (never overwriting, never through a symlink) with ``text``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
 
 
 def _read_public(path: Path) -> Ed25519PublicKey:
     try:
-        return Ed25519PublicKey.from_public_bytes(base64.b64decode(path.read_text().strip()))
+        return Ed25519PublicKey.from_public_bytes(base64.b64decode(path.read_text().strip(), validate=True))
     except (ValueError, OSError) as exc:
         raise SignatureError(f"{path} is not an Ed25519 public key (base64 of 32 bytes): {exc}") from exc
 
@@ -84,7 +106,16 @@ def load_private(path: Path) -> Ed25519PrivateKey:
             f"no signing key at {path}: create one with `nimmer keys generate {path}` "
             "(or set publish.signing_key)"
         )
-    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    mode = path.stat().st_mode
+    if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise NimmerError(
+            f"signing key {path} has permissions {oct(mode & 0o777)}: others can read it; "
+            f"`chmod 600 {path}` (and consider it leaked: rotate if others had access)"
+        )
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (ValueError, TypeError) as exc:
+        raise NimmerError(f"{path} is not an unencrypted PEM private key ({exc})") from exc
     if not isinstance(key, Ed25519PrivateKey):
         raise NimmerError(f"{path} is not an Ed25519 private key")
     return key
@@ -105,9 +136,15 @@ class Keyring:
             keys[key_id(public)] = public
         return cls(keys, str(trusted_dir))
 
-    def verify(self, manifest_bytes: bytes, signature: dict, what: str) -> str:
+    def verify(self, manifest_bytes: bytes, signature: Any, what: str) -> str:
         """Check ``signature`` (as written by :func:`sign`) over ``manifest_bytes``; return the key id."""
-        kid = signature.get("key_id", "?")
+        fields = ("algorithm", "key_id", "signature")
+        if not isinstance(signature, dict) or not all(isinstance(signature.get(k), str) for k in fields):
+            raise SignatureError(
+                f"{what}: the signature file is malformed: expected a JSON object with string fields "
+                f"{', '.join(fields)}, got {type(signature).__name__}"
+            )
+        kid = signature["key_id"]
         if signature.get("algorithm") != ALGORITHM:
             raise SignatureError(f"{what}: unsupported signature algorithm {signature.get('algorithm')!r}")
         public = self.keys.get(kid)
@@ -118,8 +155,8 @@ class Keyring:
                 f"(trusted in {self.source}: {known})"
             )
         try:
-            public.verify(base64.b64decode(signature["signature"]), manifest_bytes)
-        except (InvalidSignature, KeyError, ValueError) as exc:
+            public.verify(base64.b64decode(signature["signature"], validate=True), manifest_bytes)
+        except (InvalidSignature, ValueError) as exc:
             raise SignatureError(
                 f"{what}: the signature does not verify against trusted key {kid}; the manifest was "
                 "changed after signing"

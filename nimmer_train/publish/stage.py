@@ -58,26 +58,38 @@ def _loras(cfg: Config, base_dir: Path, loras: LoraResult | None) -> list[Path]:
     return [newest[r] for r in sorted(newest)]
 
 
-def _merge(cfg: Config, loras: LoraResult | None, federation: FederationResult | None) -> tuple:
-    """(adapter to merge, its federation's state file) or (None, None)."""
+def _merge(cfg: Config, loras: LoraResult | None, federation: FederationResult | None) -> Path | None:
+    """The adapter to merge, or None. (Its federation's server state is not read: the server keeps
+    no contributor ids, so the registry gets no per-contributor rows from a federation.)"""
     p = cfg.publish
     if p.merge_adapter:
-        from nimmer_train.federation.rounds import STATE_FILE
-
-        adapter = Path(p.merge_adapter)
-        meta = json.loads((adapter / METADATA).read_text())
-        fp = meta.get("federation", {}).get("fingerprint", "")
-        state = Path(cfg.paths.workdir).resolve() / "federation" / fp[:12] / "server" / "rounds" / STATE_FILE
-        return adapter, state if fp else None
+        return Path(p.merge_adapter)
     if not (p.merge_federated and cfg.federated.enabled):
-        return None, None
+        return None
     from nimmer_train.federation.stage import plan_federation
 
     plan = plan_federation(cfg, loras)
     if federation is None and intact_manifest(plan.out) is None:
         print(f"publish: no federated adapter at {plan.out} (run pipelines.federate); base only")
-        return None, None
-    return plan.out, plan.state_file
+        return None
+    return plan.out
+
+
+def _evaluation(adapters: list[Path], loras: LoraResult | None) -> dict | None:
+    """The register evaluation of exactly these adapters (run_all's, else the one the LoRA stage
+    left beside them), for the model card; None when there is none for this set."""
+    if loras is not None:
+        return loras.evaluation.summary() if loras.evaluation else None
+    if not adapters:
+        return None
+    from nimmer_train.loras.stage import EVALUATION
+
+    found = adapters[0].parent / EVALUATION
+    if not found.exists():
+        return None
+    evaluation = json.loads(found.read_text())
+    names = {json.loads((a / METADATA).read_text())["register"]: a.name for a in adapters}
+    return evaluation if evaluation.pop("adapters", None) == names else None
 
 
 @dataclass
@@ -104,12 +116,13 @@ def publish_stage(
         print(f"publish: created signing key {kid} at {key} (trusted in {p.trusted_keys})")
     base = _base_dir(cfg, base_dir)
     adapters = _loras(cfg, base, loras)
-    merge, state = _merge(cfg, loras, federation)
+    merge = _merge(cfg, loras, federation)
     recipe = {"git_commit": git_commit(), "config": json.loads(json.dumps(dataclasses.asdict(cfg)))}
     common = {"loras": adapters, "recipe": recipe, "license": p.license, "blob_base_url": p.blob_base_url}
+    common["evaluation"] = _evaluation(adapters, loras)
     requests = [PublishRequest(base, **common)]
     if merge is not None:
-        requests.append(PublishRequest(base, merge_adapter=merge, federation_state=state, **common))
+        requests.append(PublishRequest(base, merge_adapter=merge, **common))
     published = []
     with tracking.stage_run(cfg, pipeline, "publish") as run_id:
         for req in requests:

@@ -5,27 +5,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (
-    AutoTokenizer,
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import LogitsProcessorList
 
+from nimmer_train.base.tokenizer import end_of_turn_ids
 from nimmer_train.errors import NimmerError
 from nimmer_train.publish.signing import Keyring
-from nimmer_train.publish.versions import VerifiedVersion, load_model, open_version
-from nimmer_train.runtime.structured import SchemaMask, bounded
-from nimmer_train.voice.sampling import SamplingKnobs
+from nimmer_train.publish.versions import VerifiedVersion, load_verified, open_version
+from nimmer_train.runtime.structured import SchemaMask, bounded, chars_per_token
+from nimmer_train.voice.sampling import NEUTRAL_WARPERS, SamplingKnobs, knob_processors
 
 
 @dataclass(frozen=True)
@@ -37,38 +29,16 @@ class Generation:
     adapter: str | None  # the LoRA applied; None: the bare version
 
 
-# Each ``generate`` argument of the knobs as the HF processor that applies it, in vLLM's order,
-# with the test that leaves out a no-op value. The runtime applies the knobs itself, not through
-# ``generate``'s own warpers, so that the schema mask can run before them (a token the grammar
-# forbids must not take part in top-k / top-p / min-p).
-_PROCESSORS: tuple[tuple[str, Callable[[Any], Any], Callable[[Any], bool]], ...] = (
-    ("repetition_penalty", RepetitionPenaltyLogitsProcessor, lambda v: v != 1.0),
-    ("temperature", TemperatureLogitsWarper, lambda v: True),
-    ("top_k", TopKLogitsWarper, lambda v: v > 0),
-    ("top_p", TopPLogitsWarper, lambda v: v < 1.0),
-    ("min_p", MinPLogitsWarper, lambda v: v > 0),
-)
-# what ``generate`` itself is told: sample, with its own warpers neutral (the knobs are all in
-# the processors, after the schema mask)
-_NEUTRAL_WARPERS = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-
-
-def knob_processors(knobs: SamplingKnobs) -> LogitsProcessorList:
-    """The knobs as HF processors, in vLLM's order: repetition penalty, temperature, top-k, top-p, min-p."""
-    kwargs = knobs.generate_kwargs()
-    return LogitsProcessorList(
-        [make(kwargs[name]) for name, make, applies in _PROCESSORS if applies(kwargs[name])]
-    )
-
-
 class LocalModel:
     """One loaded version. ``generate`` is serialised (the active adapter is model-wide state)."""
 
     def __init__(self, version: VerifiedVersion, device: str = "cpu") -> None:
         self.version = version
         self.label = version.label
-        self.model = load_model(version, device=device)
-        self.tokenizer = AutoTokenizer.from_pretrained(version.folder)
+        # both from one private copy whose bytes were hashed as read: what runs is what was verified
+        self.model, self.tokenizer = load_verified(version, device=device)
+        self.stop_ids = end_of_turn_ids(self.tokenizer)  # the chat template's end of turn, then EOS
+        self.chars_per_token = chars_per_token(self.tokenizer)  # sizes the schema's string caps
         self.registers = sorted(version.loras)
         merged = version.manifest.get("merged_adapter") or {}
         self.merged_register: str | None = merged.get("register")
@@ -103,12 +73,13 @@ class LocalModel:
         adapter = self.adapter_for(register)
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
         ids = (ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids).to(self.device)
-        processors = knob_processors(knobs)
+        # the knobs as processors, after the schema mask (a token the grammar forbids takes no part
+        # in top-k / top-p / min-p); the repetition penalty counts generated tokens only
+        processors = knob_processors(knobs, ids.shape[1])
         if schema is not None:
-            mask = SchemaMask(
-                self.tokenizer, bounded(schema, knobs.max_new_tokens), self.n_vocab, ids.shape[1]
-            )
-            processors.insert(0, mask)
+            budget = knobs.max_new_tokens
+            fitted = bounded(schema, budget, self.chars_per_token, self._count)
+            processors.insert(0, SchemaMask(self.tokenizer, fitted, self.n_vocab, ids.shape[1], budget))
         with self._lock:
             started = time.perf_counter()
             if seed is not None:
@@ -119,6 +90,9 @@ class LocalModel:
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return Generation(text, int(ids.shape[1]), int(new.shape[0]), seconds, adapter)
 
+    def _count(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _generate(
         self, ids: torch.Tensor, adapter: str | None, processors: LogitsProcessorList, max_new: int
     ) -> torch.Tensor:
@@ -126,10 +100,10 @@ class LocalModel:
             "input_ids": ids,
             "attention_mask": torch.ones_like(ids),
             "logits_processor": processors,
-            **_NEUTRAL_WARPERS,
+            **NEUTRAL_WARPERS,
             "max_new_tokens": max_new,
             "pad_token_id": self.tokenizer.pad_token_id,
-            "eos_token_id": self.tokenizer.eos_token_id,
+            "eos_token_id": self.stop_ids,
         }
         with torch.no_grad():
             if adapter is None and hasattr(self.model, "disable_adapter"):

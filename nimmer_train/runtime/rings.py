@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 import httpx
 
 from nimmer_train.config import TeacherConfig
-from nimmer_train.errors import ConfigError
+from nimmer_train.errors import ConfigError, NimmerError
 from nimmer_train.synth.teacher.backends import chat_completion_reply, make_teacher
 from nimmer_train.synth.teacher.http import post_with_retries
 from nimmer_train.voice.composition import GenerationRequest
@@ -95,6 +96,7 @@ class Ring(Protocol):
     name: str
     constrained: bool
     context_tokens: int | None  # prompt + reply must fit in this many tokens
+    local: bool  # the prompt stays in this process (Ring A); only then may it carry clasp memory
 
     def count(self, text: str) -> int: ...
 
@@ -103,8 +105,18 @@ class Ring(Protocol):
     def speak(self, prompt: TurnPrompt, register: Register, name: str, knobs: SamplingKnobs) -> RingReply: ...
 
 
+def refuse_clasp(prompt: TurnPrompt, ring: str) -> None:
+    """The last guard before a prompt leaves the device: it never carries the clasp layer."""
+    if "clasp" in prompt.memory_scope.layers:
+        raise NimmerError(
+            f"ring {ring} is remote: clasp memory has no transport path; assemble the turn with "
+            "local=False (the runtime does) so the clasp layer is left out"
+        )
+
+
 class RingA:
     name = "A"
+    local = True  # in-process: the only ring that may be given clasp memory
 
     def __init__(self, model: Any, constrained: bool = True) -> None:
         self.model, self.constrained = model, constrained
@@ -135,6 +147,7 @@ class RingB:
     """A client of an OpenAI-compatible multi-LoRA server (nimmer serve, vLLM)."""
 
     name = "B"
+    local = False
 
     def __init__(self, cfg: RingConfig, client: httpx.Client | None = None) -> None:
         self.cfg, self.constrained, self.context_tokens = cfg, cfg.constrained, cfg.context_tokens
@@ -145,7 +158,9 @@ class RingB:
 
     def model_id(self, register: str) -> str:
         if self._models is None:
-            reply = self.client.get(f"{self.base}/models", timeout=self.cfg.timeout_s)
+            reply = self.client.get(
+                f"{self.base}/models", headers=self._headers(), timeout=self.cfg.timeout_s
+            )
             reply.raise_for_status()
             self._models = [m["id"] for m in reply.json()["data"]]
         base = next(m for m in self._models if ":" not in m)
@@ -155,7 +170,13 @@ class RingB:
     def render(self, prompt: TurnPrompt, register: Register) -> list[dict[str, str]]:
         return render_compact(prompt)
 
+    def _headers(self) -> dict[str, str]:
+        """``Authorization: Bearer`` from ``api_key_env`` (``nimmer serve --api-key-env``), if set."""
+        key = os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def speak(self, prompt: TurnPrompt, register: Register, name: str, knobs: SamplingKnobs) -> RingReply:
+        refuse_clasp(prompt, self.name)
         model = self.model_id(name)
         body: dict[str, Any] = {
             "model": model,
@@ -174,7 +195,7 @@ class RingB:
             self.client,
             f"{self.base}/chat/completions",
             body,
-            {},
+            self._headers(),
             self.cfg.teacher(knobs.max_new_tokens),
             chat_completion_reply,
         )
@@ -195,6 +216,7 @@ class RingC:
 
     name = "C"
     constrained = False
+    local = False
 
     def __init__(self, cfg: RingConfig) -> None:
         self.cfg, self.context_tokens, self.count = cfg, cfg.context_tokens, word_count
@@ -204,6 +226,7 @@ class RingC:
         return render_projection(prompt, register)
 
     def speak(self, prompt: TurnPrompt, register: Register, name: str, knobs: SamplingKnobs) -> RingReply:
+        refuse_clasp(prompt, self.name)
         teacher_cfg = self.cfg.teacher(knobs.max_new_tokens)
         teacher = self._make(teacher_cfg)
         messages = self.render(prompt, register)

@@ -5,53 +5,97 @@ the turn's ``output_schema`` into a token mask computed per step in microseconds
 Hugging Face fast tokenizer (our trained byte-level BPE included) and is a small wheel with no
 GPU dependencies (xgrammar pulls in triton; lm-format-enforcer is pure Python and slower).
 The mask is the first logits processor, so sampling knobs act only on tokens the schema allows.
+
+The grammar accepts exactly the reply format the adapters were trained on
+(:func:`nimmer_train.voice.prompt_dsl.render_reply`: properties in schema order, ``", "`` and
+``": "``), and once the reply is complete it allows only the chat template's end-of-turn token.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
 import torch
 from transformers import LogitsProcessor
 
+from nimmer_train.base.tokenizer import end_of_turn_ids
+from nimmer_train.voice.prompt_dsl import REPLY_GRAMMAR_OPTIONS, render_reply
+from nimmer_train.voice.registers import load_catalogue
+
 
 @lru_cache(maxsize=8)
 def _ll_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
     import llguidance.hf
 
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab)
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=end_of_turn_ids(tokenizer))
 
 
 @lru_cache(maxsize=64)
 def _grammar(schema_json: str) -> str:
     from llguidance import LLMatcher
 
-    return LLMatcher.grammar_from_json_schema(
-        json.loads(schema_json), defaults={"whitespace_flexible": False}
-    )
+    # the key is the schema as written: property order is part of the format (never sort_keys)
+    return LLMatcher.grammar_from_json_schema(json.loads(schema_json), defaults=REPLY_GRAMMAR_OPTIONS)
 
 
-OPTIONAL_CHARS = 16  # optional strings (emotion, gesture) are short; the required ones get the rest
+def reply_matcher(tokenizer: Any, schema: dict[str, Any], n_vocab: int) -> Any:
+    """An llguidance matcher for replies to ``schema`` in the training format, ending with the
+    chat template's end-of-turn token; a schema it cannot compile raises ValueError."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(_ll_tokenizer(tokenizer, n_vocab), _grammar(json.dumps(schema)))
+    if matcher.is_error():
+        raise ValueError(f"output_schema cannot be compiled to a grammar: {matcher.get_error()}")
+    return matcher
 
 
-def bounded(schema: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
-    """``schema`` narrowed so that a worst-case reply (one character per token) still closes
-    within ``max_new_tokens``: a maxLength on each top-level string property and, when the budget
-    is tight, only the required properties. Whatever it admits is valid under ``schema``. Without
-    it a small model can talk past the budget inside a string and leave unclosed JSON."""
+def chars_per_token(tokenizer: Any, texts: list[str] | None = None) -> float:
+    """The tokenizer's density on speech: characters per token over ``texts`` (default: every
+    register's exemplar lines in the catalogue, the voices the utterances imitate)."""
+    if texts is None:
+        catalogue = load_catalogue()
+        texts = [line for name in catalogue.names for line in catalogue.get(name).exemplars]
+    ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    return sum(map(len, texts)) / max(1, sum(map(len, ids)))
+
+
+OPTIONAL_CHARS = 48  # optional strings (emotion, gesture) are short phrases; the required ones get the rest
+MIN_STRING_CHARS = 8  # below this per string the budget is tight: only the required properties stay
+
+
+def bounded(
+    schema: dict[str, Any],
+    max_new_tokens: int,
+    chars_per_token: float = 1.0,
+    count: Callable[[str], int] | None = None,
+) -> dict[str, Any]:
+    """``schema`` narrowed so that a reply at the tokenizer's density (``chars_per_token`` in the
+    strings, see :func:`chars_per_token`; ``count`` tokens for the fixed parts, keys and quotes,
+    one per character without it) closes within ``max_new_tokens``, the end-of-turn token
+    included: a maxLength on each top-level string property and, when the budget is tight, only
+    the required properties. Whatever it admits is valid under ``schema``. A reply that runs
+    denser than that is closed by :class:`SchemaMask` when its budget runs out, so the JSON is
+    never left open."""
     props = schema.get("properties")
     if schema.get("type") != "object" or not isinstance(props, dict):
         return schema
-    keep = list(props)
-    skeleton = lambda names: 2 + sum(len(n) + 6 for n in names)  # noqa: E731 - {"k":"",...}
+    count = count or len
+    required_names = set(schema.get("required", []))
     strings = lambda names: [n for n in names if props[n].get("type") == "string"]  # noqa: E731
-    if max_new_tokens - skeleton(keep) < 8 * max(1, len(strings(keep))):
-        keep = [n for n in keep if n in schema.get("required", [])]
-    budget = max_new_tokens - skeleton(keep)
-    required = [n for n in strings(keep) if n in schema.get("required", [])]
-    optional = [n for n in strings(keep) if n not in required]
+
+    def room(names: list[str]) -> int:  # characters left for the strings' contents
+        skeleton = count(render_reply({n: "" for n in names}, schema)) + 1  # + end-of-turn
+        return int((max_new_tokens - skeleton) * chars_per_token)
+
+    keep = list(props)
+    if room(keep) < MIN_STRING_CHARS * max(1, len(strings(keep))):
+        keep = [n for n in keep if n in required_names]
+    budget = max(0, room(keep))
+    required = [n for n in strings(keep) if n in required_names]
+    optional = [n for n in strings(keep) if n not in required_names]
     optional_len = min(OPTIONAL_CHARS, budget // (2 * max(1, len(strings(keep)))))
     required_len = max(1, (budget - optional_len * len(optional)) // max(1, len(required)))
     out = {**schema, "properties": {n: dict(props[n]) for n in keep}}
@@ -65,27 +109,58 @@ def bounded(schema: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
     return out
 
 
-class SchemaMask(LogitsProcessor):
-    """Masks every token that cannot continue a JSON document valid under ``schema``."""
+CLOSERS = ('"}', "}")  # what ends a flat JSON object from inside a string value or after one
+CLOSE_MARGIN = 2  # start closing this many tokens before the last moment (a string may still be too short)
 
-    def __init__(self, tokenizer: Any, schema: dict[str, Any], n_vocab: int, prompt_len: int) -> None:
-        from llguidance import LLMatcher
+
+class SchemaMask(LogitsProcessor):
+    """Masks every token that cannot continue a reply valid under ``schema`` in the training
+    format. With ``max_new_tokens``, once the budget is down to what closing takes it forces the
+    shortest close (a closing quote and brace, then the end-of-turn token) when one is valid."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        schema: dict[str, Any],
+        n_vocab: int,
+        prompt_len: int,
+        max_new_tokens: int | None = None,
+    ) -> None:
         from llguidance.torch import allocate_token_bitmask
 
-        self.matcher = LLMatcher(
-            _ll_tokenizer(tokenizer, n_vocab), _grammar(json.dumps(schema, sort_keys=True))
-        )
-        if self.matcher.is_error():
-            raise ValueError(f"output_schema cannot be compiled to a grammar: {self.matcher.get_error()}")
+        self.matcher = reply_matcher(tokenizer, schema, n_vocab)
         self.prompt_len = prompt_len
+        self.max_new_tokens = max_new_tokens
+        self.closers = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in CLOSERS]
         self.bitmask = allocate_token_bitmask(1, n_vocab)
         self.bits = torch.arange(32, dtype=torch.int32)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         from llguidance.torch import fill_next_token_bitmask
 
-        if input_ids.shape[1] > self.prompt_len:
+        generated = input_ids.shape[1] - self.prompt_len
+        if generated > 0:
             self.matcher.consume_token(int(input_ids[0, -1]))
+        forced = self._closing(self.max_new_tokens - generated) if self.max_new_tokens else None
+        if forced is not None:
+            keep = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+            keep[forced] = True
+            return scores.masked_fill(~keep, float("-inf"))
         fill_next_token_bitmask(self.matcher, self.bitmask)
         allowed = ((self.bitmask[0].unsqueeze(1) >> self.bits) & 1).flatten()[: scores.shape[-1]].bool()
         return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+
+    def _closing(self, left: int) -> int | None:
+        """The first token of the shortest valid close (one that leaves the reply complete) when
+        only ``left`` tokens remain, one of them for the end-of-turn token; None while there is
+        room, or when no close is valid yet."""
+        longest = max(map(len, self.closers))
+        if self.matcher.is_accepting() or left > longest + 1 + CLOSE_MARGIN:
+            return None
+        for ids in sorted(self.closers, key=len):
+            if len(ids) > left - 1 or self.matcher.validate_tokens(ids) < len(ids):
+                continue
+            probe = self.matcher.deep_copy()
+            if probe.consume_tokens(ids) and probe.is_accepting():
+                return ids[0]
+        return None

@@ -96,7 +96,8 @@ class NpcRuntime:
         self, req: TurnRequest, mode: Any, ring: Ring, bare: list[dict[str, str]], reply: int
     ) -> MemoryScope:
         """The knowledge stack, each layer within its budget, all of it within what the ring's
-        context leaves after the bare prompt and the reply (budgets scale down to fit)."""
+        context leaves after the bare prompt and the reply (budgets scale down to fit). The clasp
+        layer only for an in-process ring (``ring.local``; a ring that does not say is remote)."""
         if self.memory is None:
             return MemoryScope(layers=(), items=())
         from nimmer_train.memory.knowledge import assemble
@@ -108,7 +109,10 @@ class NpcRuntime:
             )
             scale = max(0.0, min(1.0, room / max(1, sum(budgets.values()))))
             budgets = {k: int(v * scale) for k, v in budgets.items()}
-        return assemble(self.memory, req.district, req.player_utterance, mode, budgets, count=ring.count)
+        local = getattr(ring, "local", False) is True
+        return assemble(
+            self.memory, req.district, req.player_utterance, mode, budgets, count=ring.count, local=local
+        )
 
     def speak(self, req: TurnRequest, mode: Any = None) -> Turn:
         from nimmer_train.memory.player_memory import Mode
@@ -125,6 +129,7 @@ class NpcRuntime:
         prompt = self._prompt(req, mode, ring, register, traits, knobs)
         t["assemble"] = time.perf_counter()
         attempts = _speak_valid(ring, prompt, register, name, knobs, req.output_schema)
+        withheld = clasp_withheld(mode, ring) if self.memory is not None else []
         w0 = time.perf_counter()
         if self.memory is not None:  # the spoken line, in the store the mode allows (clasp in-between)
             self.memory.write(
@@ -139,7 +144,7 @@ class NpcRuntime:
             "validate": attempts.validate_s,
             "write_back": end - w0,
         }
-        return _turn(req.npc, name, knobs, attempts, end - t["start"], timings)
+        return _turn(req.npc, name, knobs, attempts, end - t["start"], timings, withheld)
 
     def _ring(self, tier: str) -> Ring:
         if tier not in self.rings:
@@ -175,6 +180,16 @@ class NpcRuntime:
         )
         scope = self._scope(req, mode, ring, ring.render(bare, register), knobs.max_new_tokens)
         return dataclasses.replace(bare, memory_scope=scope)
+
+
+def clasp_withheld(mode: Any, ring: Ring) -> list[str]:
+    """The warning a turn carries when the in-between's clasp layer was left out of its prompt
+    because its ring is remote (the clasp has no transport path)."""
+    from nimmer_train.memory.player_memory import Mode
+
+    if mode is Mode.IN_BETWEEN and getattr(ring, "local", False) is not True:
+        return [f"clasp_layer_withheld_remote_ring_{ring.name}"]
+    return []
 
 
 @dataclass
@@ -230,6 +245,7 @@ def _turn(
     attempts: _Attempts,
     seconds: float,
     timings: dict[str, float],
+    warnings: list[str] | None = None,
 ) -> Turn:
     replies, last = attempts.replies, attempts.replies[-1]
     return Turn(
@@ -243,7 +259,7 @@ def _turn(
         prompt_tokens=sum(r.prompt_tokens for r in replies),
         completion_tokens=sum(r.completion_tokens for r in replies),
         cost_usd=sum(r.cost_usd for r in replies),
-        feature_compat_warnings=last.feature_compat_warnings,
+        feature_compat_warnings=[*last.feature_compat_warnings, *(warnings or [])],
         seconds=seconds,
         timings=timings,
     )

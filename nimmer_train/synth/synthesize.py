@@ -5,13 +5,21 @@ configured teacher, keeps every raw reply with its provenance (r0), curates (r1)
 ``artifacts/synth/<composition>-<fingerprint>/``: ``r0/`` (HF Dataset), ``r1/`` (DatasetDict
 in TRL's conversational ``messages`` format with composition-tag columns), the machine-generated
 data card ``README.md``, ``stats.json`` and ``manifest.json``.
+
+r1 is split by scene: the held-out scenes (:func:`heldout_scenes`) share no scene with ``train``.
+``validation`` holds their curated replies; ``validation_unfiltered`` every reply of theirs that
+is valid under the schema, before the other curation filters, so that an evaluation need not rest
+on replies chosen for being separable. Every assistant turn is rendered by
+:func:`~nimmer_train.voice.prompt_dsl.render_reply`, the format the runtime grammar accepts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -36,13 +44,15 @@ from nimmer_train.errors import NimmerError
 from nimmer_train.synth.curation import curate, register_accuracy, rejection_counts
 from nimmer_train.synth.teacher import ResponseCache, make_teacher, run_requests
 from nimmer_train.voice.composition import CompositionConfig, GenerationRequest, expand
-from nimmer_train.voice.prompt_dsl import render_compact
+from nimmer_train.voice.prompt_dsl import render_compact, render_reply
 from nimmer_train.voice.registers import RegistersConfig
 
 log = logging.getLogger(__name__)
 
 SYNTH_VERSION = 1
 SAMPLES = "samples.json"  # three kept turns per register, for the data card and MLflow
+VALIDATION = "validation"  # r1 split: curated replies of the held-out scenes
+VALIDATION_UNFILTERED = "validation_unfiltered"  # r1 split: their schema-valid replies before curation
 _NOT_SEMANTIC = (
     "concurrency",
     "timeout_s",
@@ -167,15 +177,21 @@ def synthesize(
 
     with atomic_dir(out) as staging:
         Dataset.from_list([_r0_row(r) for r in records]).save_to_disk(str(staging / "r0"))
-        rows = [_r1_row(r) for r in kept]
+        heldout = heldout_scenes([scene.name for scene in spec.scenes], curation.validation_fraction)
         split = {
-            "train": [r for r in rows if not _held_out(r["request_key"], curation.validation_fraction)],
-            "validation": [r for r in rows if _held_out(r["request_key"], curation.validation_fraction)],
+            "train": [_r1_row(r) for r in kept if r["scene"] not in heldout],
+            VALIDATION: [_r1_row(r) for r in kept if r["scene"] in heldout],
+            VALIDATION_UNFILTERED: [
+                {**_r1_row(r), "status": r["status"], "reason": r["reason"] or ""}
+                for r in records
+                if r["scene"] in heldout and r["reply"] is not None
+            ],
         }
         DatasetDict({name: Dataset.from_list(part) for name, part in split.items()}).save_to_disk(
             str(staging / "r1")
         )
         stats["splits"] = {name: len(part) for name, part in split.items()}
+        stats["heldout_scenes"] = sorted(heldout)
         write_json_atomic(staging / "stats.json", stats)
         write_json_atomic(staging / SAMPLES, samples)
         (staging / README).write_text(_card(spec, teacher_cfg, teacher.model, stats, samples))
@@ -239,7 +255,7 @@ def _r0_row(rec: dict[str, Any]) -> dict[str, Any]:
 def _r1_row(rec: dict[str, Any]) -> dict[str, Any]:
     """TRL conversational format: the compact DSL render (what the LoRA model will see) plus the reply."""
     messages = render_compact(rec["prompt"])
-    messages.append({"role": "assistant", "content": json.dumps(rec["reply"], ensure_ascii=False)})
+    messages.append({"role": "assistant", "content": render_reply(rec["reply"], rec["output_schema"])})
     return {
         "messages": messages,
         "register": rec["register"],
@@ -254,8 +270,13 @@ def _r1_row(rec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _held_out(key: str, fraction: float) -> bool:
-    return int(key[:8], 16) / 0xFFFFFFFF < fraction
+def heldout_scenes(scenes: list[str], fraction: float) -> set[str]:
+    """The scenes held out from training: ceil(fraction x scenes) of them, at least one and never
+    all (none when fraction is 0), ranked by a hash of the name (independent of the list order)."""
+    if fraction <= 0 or len(scenes) < 2:
+        return set()
+    n = min(len(scenes) - 1, max(1, math.ceil(fraction * len(scenes))))
+    return set(sorted(scenes, key=lambda name: hashlib.sha256(name.encode()).hexdigest())[:n])
 
 
 def _one_per_register(rows: list[dict[str, Any]], per: int) -> list[dict[str, Any]]:
@@ -318,6 +339,12 @@ compact JSON (what a LoRA-carrying model sees at run time), the player's line, a
 reply as JSON matching the turn's output schema.
 
 {data_card.table([{"register": k, "r0": v["r0"], "r1": v["r1"]} for k, v in stats["per_register"].items()])}
+
+The split is by scene: the held-out scenes ({", ".join(stats["heldout_scenes"]) or "none"}) appear in
+no training row. `validation` holds their curated replies and `validation_unfiltered` every reply
+of theirs that is valid under the schema, before the other curation filters.
+
+{data_card.table([{"split": k, "rows": v} for k, v in stats["splits"].items()])}
 
 ## Collection process
 

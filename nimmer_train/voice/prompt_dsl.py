@@ -6,7 +6,10 @@ turn_intent, zone_context and output_schema, and its two renderings.
 - :func:`render_projection`: the design's degradation path for models without LoRAs: the trait
   vector projected into a system message ("You are speaking as ... Respond in JSON matching").
 
-Replies are checked against the turn's ``output_schema`` by :func:`validate_reply`.
+A reply (one NPC turn) has one text form, :func:`render_reply`: properties in the schema's order,
+``json.dumps``' default separators ``", "`` and ``": "``, no ASCII escaping. Training targets are
+rendered with it, the runtime grammar accepts exactly it (:data:`REPLY_GRAMMAR_OPTIONS`), and
+:func:`validate_reply` reads it back unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ TURN_SCHEMA: dict[str, Any] = {
     },
     "required": ["utterance"],
     "additionalProperties": False,
+}
+
+
+ITEM_SEPARATOR, KEY_SEPARATOR = ", ", ": "  # json.dumps' defaults: the one reply format
+# llguidance's JSON compile options for exactly that format (no free whitespace)
+REPLY_GRAMMAR_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ITEM_SEPARATOR,
+    "key_separator": KEY_SEPARATOR,
 }
 
 
@@ -167,6 +179,37 @@ def render_projection(prompt: TurnPrompt, register: Register | None = None) -> l
         {"role": "system", "content": "\n".join(lines)},
         {"role": "user", "content": prompt.player_utterance},
     ]
+
+
+def _in_schema_order(value: Any, schema: dict[str, Any]) -> Any:
+    """``value`` with every object's keys in its schema's ``properties`` order (others after)."""
+    if not isinstance(value, dict):
+        return value
+    props = schema.get("properties") or {}
+    keys = [k for k in props if k in value] + [k for k in value if k not in props]
+    return {k: _in_schema_order(value[k], props.get(k) or {}) for k in keys}
+
+
+def render_reply_spans(
+    reply: dict[str, Any], schema: dict[str, Any] = TURN_SCHEMA
+) -> tuple[str, dict[str, tuple[int, int]]]:
+    """:func:`render_reply`'s text and, for each top-level property, the [start, end) characters
+    of its value in it (inside the quotes for a string)."""
+    ordered = _in_schema_order(reply, schema)
+    text, spans = "{", {}
+    for i, (key, value) in enumerate(ordered.items()):
+        text += (ITEM_SEPARATOR if i else "") + json.dumps(key, ensure_ascii=False) + KEY_SEPARATOR
+        rendered = json.dumps(value, ensure_ascii=False, separators=(ITEM_SEPARATOR, KEY_SEPARATOR))
+        quote = 1 if isinstance(value, str) else 0
+        spans[key] = (len(text) + quote, len(text) + len(rendered) - quote)
+        text += rendered
+    return text + "}", spans
+
+
+def render_reply(reply: dict[str, Any], schema: dict[str, Any] = TURN_SCHEMA) -> str:
+    """The one text form of a turn's JSON reply: what training targets hold and the runtime
+    grammar (:data:`REPLY_GRAMMAR_OPTIONS`, properties in schema order) lets a model write."""
+    return render_reply_spans(reply, schema)[0]
 
 
 _FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.S)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from nimmer_train.voice.registers import RegistersConfig
+
+if TYPE_CHECKING:  # transformers loads only when a decoder does
+    from transformers import LogitsProcessorList
 
 
 @dataclass(frozen=True)
@@ -20,9 +24,10 @@ class SamplingKnobs:
         return asdict(self)
 
     def generate_kwargs(self) -> dict[str, bool | float | int]:
-        """The knobs as transformers ``generate`` keyword arguments, sampling on; every in-process
-        decoder starts from these (the LoRA trainer's samples, the hf_local teacher, the runtime's
-        logits processors). ``max_new_tokens`` is left to the caller: each bounds length its own way."""
+        """The knobs as transformers ``generate`` keyword arguments, sampling on. In-process
+        decoders apply them through :func:`knob_processors` instead (generate's own repetition
+        penalty counts the prompt). ``max_new_tokens`` is left to the caller: each bounds length
+        its own way."""
         return {
             "do_sample": True,
             "temperature": self.temperature,
@@ -80,3 +85,44 @@ def for_turn(
         min_p=knobs.min_p,
         max_new_tokens=knobs.max_new_tokens,
     )
+
+
+# What ``generate`` itself is told when the knobs come as :func:`knob_processors`: sample, with its
+# own warpers neutral (the knobs are all in the processors).
+NEUTRAL_WARPERS: dict[str, bool | float | int] = {
+    "do_sample": True,
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+}
+
+
+def knob_processors(knobs: SamplingKnobs, prompt_len: int) -> LogitsProcessorList:
+    """The knobs as HF logits processors in vLLM's order (repetition penalty, temperature, top-k,
+    top-p, min-p), for every in-process decoder (the runtime, the LoRA evaluation's samples, the
+    hf_local teacher); pass them as ``logits_processor`` beside :data:`NEUTRAL_WARPERS`.
+
+    The repetition penalty counts only the generated tokens: the first ``prompt_len`` positions
+    (the prompt, with the memory items and scene words an NPC should repeat) are never penalised.
+    HF's ``generate`` and vLLM both count the prompt; a Ring B served by vLLM differs here."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    processors: list[Any] = []
+    if knobs.repetition_penalty != 1.0:
+        penalty = float(knobs.repetition_penalty)
+        processors.append(RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=prompt_len))
+    processors.append(TemperatureLogitsWarper(float(knobs.temperature)))
+    if knobs.top_k > 0:
+        processors.append(TopKLogitsWarper(int(knobs.top_k)))
+    if knobs.top_p < 1.0:
+        processors.append(TopPLogitsWarper(float(knobs.top_p)))
+    if knobs.min_p > 0:
+        processors.append(MinPLogitsWarper(float(knobs.min_p)))
+    return LogitsProcessorList(processors)

@@ -1,14 +1,20 @@
-"""build_base as 2 CPU processes (DDP over gloo under torchrun): one model folder, one run."""
+"""build_base as 2 CPU processes (DDP over gloo under torchrun): one model folder, one run, and
+a validation figure over every block that one process reproduces on the same model."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
+from accelerate import Accelerator
+from datasets import load_from_disk
 from mlflow.tracking import MlflowClient
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nimmer_train.artifacts import read_manifest, verify_manifest
+from nimmer_train.base.pretrain import evaluate, pack_blocks
+from nimmer_train.config import TrainConfig
 from tests.helpers.pipelines import run_pipeline
 
 pytestmark = pytest.mark.slow
@@ -36,3 +42,16 @@ def test_torchrun_two_processes(tmp_path: Path) -> None:
     (run,) = client.search_runs([exp.experiment_id])
     assert run.data.params["train.nproc"] == "2"
     assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 8  # rank 0 only
+
+    # the 2-process figure is over every validation block: one process gets it again (issue 22)
+    lineage = read_manifest(folder)["lineage"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = load_from_disk(lineage["dataset_dir"])["validation"]["text"]
+    ids = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
+    blocks = pack_blocks(ids, tokenizer.eos_token_id, lineage["train"]["seq_len"])
+    assert metrics["validation_blocks"] == len(blocks) and lineage["train"]["eval_batches"] is None
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    cfg = TrainConfig(**lineage["train"])
+    with torch.no_grad():
+        one = evaluate(model, blocks, cfg, Accelerator(cpu=True))
+    assert one == pytest.approx(metrics["final_val_loss"], rel=1e-5)

@@ -18,7 +18,10 @@ from tests.helpers.pipelines import kill_when, run_pipeline
 @pytest.mark.slow
 def test_faulty_killed_federation_resumes_and_stops_at_the_budget(tiny_run: Path, tmp_path: Path) -> None:
     """Round 1: node 1 crashes, node 2 sends a wrong-shaped masked vector; round 2: node 3 sends
-    NaN. The server is killed after round 1 and resumes; the budget stops it before round 3."""
+    NaN. The server is killed after round 1 and resumes; the budget stops it before round 3.
+    Nodes 0, 1 and 3 are A.1 devices (under seed 1 device 0 has no shareable examples), node 2
+    an A.2 device, node 4 the A.2 pool's node: each round's sum holds one real A.1 update (3,
+    then 1), so the threshold is 1 here; test_privacy_defects.py shows a higher one refusing."""
     overrides = [
         "experiment=ci_tiny",
         "federated.rounds=3",
@@ -27,6 +30,7 @@ def test_faulty_killed_federation_resumes_and_stops_at_the_budget(tiny_run: Path
         "federated.epsilon_budget=19.0",  # A.1 at z=0.5, q=1: 16.5 after two rounds, 21.4 after three
         "federated.local_steps=2",
         "federated.contributors=4",  # + the A.2 node: five sampled
+        "federated.min_participants=1",  # one real A.1 update reaches each round's sum (see below)
         "federated.faults=[crash@1.1,wrong_shape@2.1,nan@3.2]",
     ]
     workdir = tmp_path / "w"

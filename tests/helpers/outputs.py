@@ -33,7 +33,7 @@ def adapters(workdir: Path) -> dict[str, Path]:
     return {
         json.loads((p / METADATA).read_text())["register"]: p
         for p in root.iterdir()
-        if not p.name.startswith(".")
+        if p.is_dir() and not p.name.startswith(".")  # beside them: evaluation.json
     }
 
 

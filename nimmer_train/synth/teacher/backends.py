@@ -9,11 +9,13 @@ from typing import Any
 
 import httpx
 
+from nimmer_train.base.tokenizer import end_of_turn_ids
 from nimmer_train.config import TeacherConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.synth.teacher.base import Teacher, TeacherFatalError, TeacherReply
 from nimmer_train.synth.teacher.http import post_with_retries
 from nimmer_train.voice.composition import GenerationRequest
+from nimmer_train.voice.sampling import NEUTRAL_WARPERS, knob_processors
 
 EXTRA_KNOBS = ("top_k", "repetition_penalty", "min_p")
 TURN_TOOL = "npc_turn"
@@ -177,7 +179,9 @@ class Replay:
 
 
 class HFLocal:
-    """A local transformers causal LM, batched generation with per-request sampling knobs."""
+    """A local transformers causal LM, batched generation with per-request sampling knobs
+    (the repetition penalty on generated tokens only), stopping at the chat template's
+    end-of-turn token."""
 
     backend = "hf_local"
     concurrency = 1
@@ -196,6 +200,7 @@ class HFLocal:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.lm = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+        self.stop_ids = end_of_turn_ids(self.tokenizer)
         self.torch = torch
 
     def generate(self, batch: list[GenerationRequest]) -> list[TeacherReply]:
@@ -212,15 +217,17 @@ class HFLocal:
             ]
             enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             enc = enc.to(self.lm.device)
+            width = enc["input_ids"].shape[1]  # every prompt, left-padded to the same width
             self.torch.manual_seed(int(batch[indices[0]].key[:8], 16))
             with self.torch.no_grad():
                 out = self.lm.generate(
                     **enc,
-                    **knobs.generate_kwargs(),
+                    **NEUTRAL_WARPERS,
+                    logits_processor=knob_processors(knobs, width),
                     max_new_tokens=self.cfg.max_new_tokens,
                     pad_token_id=self.tokenizer.pad_token_id,
+                    eos_token_id=self.stop_ids,
                 )
-            width = enc["input_ids"].shape[1]
             for row, i in enumerate(indices):
                 new = out[row, width:]
                 prompt_len = int(enc["attention_mask"][row].sum())

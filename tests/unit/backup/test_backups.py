@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from nimmer_train.backup.device import DeviceKey
 from nimmer_train.backup.sealing import BackupError, Sealed, seal, unseal
 from nimmer_train.backup.service import BackupClient, local_app
 from tests.helpers.loopback import serve_app
@@ -22,9 +23,12 @@ PASSPHRASE = "correct horse battery staple"
 
 @pytest.fixture
 def host(tmp_path: Path) -> Iterator[tuple[BackupClient, Path]]:
-    """The backup service on a free loopback port, its files under tmp_path/host."""
+    """The backup service on a free loopback port, its files under tmp_path/host; the client's
+    device is registered (its account id comes from its key)."""
     with serve_app(local_app(tmp_path / "host")) as url:
-        yield BackupClient(url), tmp_path / "host"
+        client = BackupClient(url, DeviceKey.generate())
+        client.register()
+        yield client, tmp_path / "host"
 
 
 def _lora() -> bytes:
@@ -35,9 +39,9 @@ def _lora() -> bytes:
 def test_round_trip_through_the_host_keeps_only_ciphertext(host: tuple[BackupClient, Path]) -> None:
     client, folder = host
     lora = _lora()
-    sealed, codes = seal(lora, PASSPHRASE, {"lora_name": "gameplay-voice", "lora_version": 3})
-    backup_id = client.upload("acct-7f3a", sealed)
-    (row,) = client.list("acct-7f3a")
+    sealed, codes = seal(lora, PASSPHRASE, {"lora_name": "gameplay-voice", "lora_version": 3}, client.account)
+    backup_id = client.upload(sealed)
+    (row,) = client.list()
     assert (
         row["lora_name"] == "gameplay-voice" and row["lora_version"] == 3 and row["size_bytes"] == len(lora)
     )
@@ -51,8 +55,8 @@ def test_round_trip_through_the_host_keeps_only_ciphertext(host: tuple[BackupCli
 
 def test_wrong_secrets_and_tampering_fail_clearly(host: tuple[BackupClient, Path]) -> None:
     client, folder = host
-    sealed, _ = seal(_lora(), PASSPHRASE, {"lora_name": "v", "lora_version": 1})
-    backup_id = client.upload("acct", sealed)
+    sealed, _ = seal(_lora(), PASSPHRASE, {"lora_name": "v", "lora_version": 1}, client.account)
+    backup_id = client.upload(sealed)
     with pytest.raises(BackupError, match="wrong passphrase"):
         unseal(client.download(backup_id), passphrase="not the passphrase")
     with pytest.raises(BackupError, match="wrong recovery code"):
@@ -71,5 +75,5 @@ def test_wrong_secrets_and_tampering_fail_clearly(host: tuple[BackupClient, Path
     with pytest.raises(BackupError, match="tampered"):
         unseal(renamed, passphrase=PASSPHRASE)
     with pytest.raises(BackupError, match="already backed up"):
-        client.upload("acct", sealed)
+        client.upload(sealed)
     assert isinstance(Sealed.from_bytes(sealed.to_bytes()), Sealed)

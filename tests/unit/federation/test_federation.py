@@ -16,6 +16,7 @@ from nimmer_train.federation.client import DEVICE_ACCOUNTANT, device_examples
 from nimmer_train.federation.wire import AdapterSpec, check_update
 from nimmer_train.loras.adapters import load_adapter, read_metadata
 from nimmer_train.memory.consent import PROFILE_FILE
+from nimmer_train.privacy.a2_pool import pool_summary
 from tests.helpers.outputs import only as _only
 from tests.helpers.outputs import rdp_epsilon as _rdp
 
@@ -37,25 +38,41 @@ def test_update_checks_name_what_is_wrong() -> None:
 
 
 def test_federation_improves_the_adapter_and_accounts_privacy(tiny_run: Path) -> None:
-    adapter, _ = _federation(tiny_run)
+    adapter, federation = _federation(tiny_run)
     assert verify_manifest(adapter) == []
     meta = read_metadata(adapter)
     fed = meta["federation"]
     records = json.loads((adapter / "rounds.json").read_text())
     assert [r["round"] for r in records] == [1, 2] and all(r["accepted"] for r in records)
     assert fed["heldout_loss_after"] < fed["heldout_loss_before"]
-    # only the LoRA tensors (+ one count) cross the wire, masked: 8 bytes per coordinate
+    # only the LoRA tensors (+ the A.1 indicator) cross the wire, masked: 8 bytes per coordinate
     for r in records:
         assert len(r["bytes_per_client"]) == r["participants"] == 7
         coordinates = r["update_bytes"] // 4
         assert all(8 * coordinates <= b <= 8 * coordinates + 4096 for b in r["bytes_per_client"])
-    # reported epsilons equal Opacus's accountant fed the same mechanisms
+        # no exact count of anyone's data: the A.1 count is the mechanism's noised one (std 2z = 0.02)
+        assert not {"examples_a1", "examples_a2", "examples", "contributors"} & set(r)
+        assert r["a1_contributions_noised"] == pytest.approx(3, abs=0.2)
+    # reported epsilons equal Opacus's accountant fed the same mechanisms: A.1 once per round; A.2
+    # the pool node's DP-SGD (6 steps a round) and the noised release of the pool's counts
     assert fed["epsilon_a1_user_level"] == pytest.approx(_rdp([(0.01, 1.0)] * 2), rel=1e-9)
-    a2_rate = 1 / -(-min(records[0]["examples_a2"], 256) // 16)
-    assert fed["epsilon_a2_record_level"] == pytest.approx(_rdp([(1.0, a2_rate)] * 12), rel=1e-9)
-    assert fed["contributors_a1"] == 3 and fed["uploads_a2"] == 2
+    # the A.2 rate is the public batch_size / max_examples = 16 / 256, whatever the pool's size
+    pool = pool_summary(federation / "server" / "a2_pool.sqlite", 2)
+    assert fed["epsilon_a2_record_level"] == pytest.approx(
+        _rdp([(1.0, 1 / 16)] * 12 + [(5.0, 1.0)]), rel=1e-9
+    )
+    # counts are noised estimates: A.1 from the per-round noised counts, A.2 uploads std 5 * sqrt(2)
+    assert fed["counts_noised"] and fed["contributors_a1"] == 3
+    assert isinstance(fed["uploads_a2"], int) and fed["uploads_a2"] >= 0
+    state = json.loads((federation / "server/rounds/state.json").read_text())
+    assert "contributors" not in state and state["pool_counts"]["released"]
+    assert state["pool_counts"]["uploads"] != pool["uploads"]  # noised (a float that equals 2 only by chance)
+    data = json.loads((adapter / "contributed_data.json").read_text())
+    assert "examples_per_round" not in json.dumps(data)
+    assert set(data["tiers"]["A2_anonymized"]["data_categories_noised"]) >= set(data["eligible_categories"])
     card = (adapter / "data_card.md").read_text()
     assert "A1_federated" in card and f"{fed['epsilon_a2_record_level']:.3f}" in card
+    assert "Noised figures" in card and "noised pool counts" in card
     # the register-LoRA format: loads on its base with the adapter loader
     model = load_adapter(tiny_run / "artifacts/base" / meta["base"]["label"], adapter)
     assert meta["register"] in model.peft_config

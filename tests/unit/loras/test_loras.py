@@ -77,29 +77,42 @@ def test_evaluation_matrix_and_runs_in_mlflow(tiny_run: Path) -> None:
     assert sorted(r.data.params["register"] for r in children) == sorted(TWO)
     for child in children:
         assert len(client.get_metric_history(child.info.run_id, "train_loss")) >= 2
-    assert 0 <= parent.data.metrics["separability"] <= 1 and "mean_loss_gain" in parent.data.metrics
+    assert 0 <= parent.data.metrics["separability.r1.utterance"] <= 1
+    assert "mean_gain.r1.utterance" in parent.data.metrics
     files = {a.path for a in client.list_artifacts(parent.info.run_id, "evaluation")}
     assert files >= {
-        "evaluation/heldout_loss_matrix.csv",
+        "evaluation/heldout_loss_r1_utterance.csv",
+        "evaluation/heldout_loss_r1_format.csv",
+        "evaluation/heldout_loss_r0_utterance.csv",
         "evaluation/heldout_loss_matrix.png",
+        "evaluation/summary.json",
         "evaluation/samples.json",
     }
     csv = Path(
-        client.download_artifacts(parent.info.run_id, "evaluation/heldout_loss_matrix.csv")
+        client.download_artifacts(parent.info.run_id, "evaluation/heldout_loss_r1_utterance.csv")
     ).read_text()
     header, *rows = csv.strip().splitlines()
-    assert header.split(",") == ["data", "base", *TWO] and len(rows) == 2
+    assert header.split(",") == ["data", "n", "tokens", "base", *TWO] and len(rows) == 2
 
 
-def test_diagonal_wins_on_clearly_separable_registers(tiny_run: Path) -> None:
-    """ci_tiny trains two clearly different registers for 40 steps: each adapter wins on its own data."""
+def test_own_adapters_win_on_utterance_tokens_of_heldout_scenes(tiny_run: Path) -> None:
+    """ci_tiny trains two very different registers for 40 steps, scored on utterance tokens of
+    scenes neither adapter saw. The honest figures are small (issue 22): the gain over the base is
+    0.030 [0.022, 0.038] nats/token (0.36 over all reply tokens, which mostly measured the JSON
+    format), drunk-scavenger's own adapter wins by a clear margin (+0.08), hivemind-broadcast's
+    by +0.010 [0.001, 0.020], which is within noise. So this asserts the clear win, a gain whose
+    interval excludes zero, and that the format dominates the all-token gain; not separability 1.0."""
     client = MlflowClient(tracking_uri=f"sqlite:///{tiny_run / 'mlflow.db'}")
     exp = client.get_experiment_by_name("nimmer-run_all")
     (parent,) = [
         r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("stage") == "train_loras"
     ]
-    assert parent.data.metrics["separability"] == 1.0
-    assert parent.data.metrics["mean_loss_gain"] > 0.1
+    m = parent.data.metrics
+    assert m["margin.r1.utterance.drunk-scavenger_low"] > 0.03  # the clear win, on r1 and on r0
+    assert m["margin.r0.utterance.drunk-scavenger_low"] > 0.03
+    assert m["separability.r1.utterance"] >= 0.5
+    assert m["mean_gain.r1.utterance_low"] > 0  # the adapters carry some voice, not only format
+    assert m["mean_gain.r1.format"] > 10 * m["mean_gain.r1.utterance"]
 
 
 def test_half_written_checkpoints_are_not_resumed_from(tmp_path: Path) -> None:

@@ -348,7 +348,7 @@ def test_canon_propagates_at_its_rate_and_the_stack_assembles_within_budgets(tmp
     memory.write("Marta owes the scavenger three bolts.", "npc", "working", "casual_dialog")
     memory.write("Her hand trembled in the light.", "npc", "working", "clasp", mode=Mode.IN_BETWEEN)
 
-    def stack(district: str, tick: int, mode: Mode = Mode.REALWORLD, budget: int = 50):
+    def stack(district: str, tick: int, mode: Mode = Mode.REALWORLD, budget: int = 50, local: bool = True):
         propagate(memory, tick)
         return assemble(
             memory,
@@ -356,6 +356,7 @@ def test_canon_propagates_at_its_rate_and_the_stack_assembles_within_budgets(tmp
             "what does Marta owe",
             mode,
             {"world": budget, "district": budget, "primary": budget, "clasp": budget},
+            local=local,
         )
 
     early = stack("frontier", tick=1)
@@ -371,6 +372,8 @@ def test_canon_propagates_at_its_rate_and_the_stack_assembles_within_budgets(tmp
     assert "Her hand trembled in the light." not in late.items
     between = stack("frontier", tick=6, mode=Mode.IN_BETWEEN)
     assert between.layers[-1] == "clasp" and "Her hand trembled in the light." in between.items
+    remote = stack("frontier", tick=6, mode=Mode.IN_BETWEEN, local=False)  # a prompt leaving the device
+    assert "clasp" not in remote.layers and "Her hand trembled in the light." not in remote.items
     tight = stack("frontier", tick=6, budget=5)
     assert tight.items == ("The east gate is sealed!",)  # 5 words a layer: one world line, no 6-word memory
     assert stack("frontier", tick=6) == late  # deterministic

@@ -13,7 +13,7 @@ from nimmer_train.privacy.accounting import BudgetExceeded, Ledger
 def test_epsilon_matches_an_independent_opacus_computation(tmp_path: Path) -> None:
     ledger = Ledger(delta=1e-5)
     for _ in range(3):
-        ledger.record(a1=(1.1, 0.5, 1), a2=(0.9, 0.05, 40))
+        ledger.record(a1=(1.1, 0.5, 1), a2=[(0.9, 0.05, 40)])
     independent_a1, independent_a2 = RDPAccountant(), RDPAccountant()
     for _ in range(3):
         independent_a1.step(noise_multiplier=1.1, sample_rate=0.5)
@@ -36,7 +36,7 @@ def test_budget_stops_before_the_round_that_would_exceed_it() -> None:
     completed = 0
     with pytest.raises(BudgetExceeded, match=r"round \d+ would spend epsilon .* > budget 3.0"):
         while True:
-            ledger.plan(a1=(1.5, 0.2, 1), a2=None)
-            ledger.record(a1=(1.5, 0.2, 1), a2=None)
+            ledger.plan(a1=(1.5, 0.2, 1))
+            ledger.record(a1=(1.5, 0.2, 1))
             completed += 1
     assert completed == 11 and ledger.spent()["a1_user_level"] <= 3.0 and len(ledger.rounds) == completed

@@ -17,6 +17,7 @@ from mlflow import MlflowClient
 from nimmer_train import cli
 from nimmer_train.artifacts import write_json_atomic, write_manifest
 from nimmer_train.errors import NimmerError
+from nimmer_train.federation.client import device_examples
 from nimmer_train.loras.adapters import METADATA
 from nimmer_train.publish.manifest import SIGNATURE, IntegrityError, manifest_bytes
 from nimmer_train.publish.registry import Registry
@@ -81,10 +82,18 @@ def test_run_all_publishes_v1_and_the_federated_v2(tiny_run: Path) -> None:
     m2 = v2.manifest
     assert m2["parent_version"] == v1.label and m2["merged_adapter"]["federation"] == fed["fingerprint"]
     assert m2["differential_privacy_epsilon"] == pytest.approx(fed["epsilon_a2_record_level"])
-    assert m2["contributors_count"] == fed["contributors_a1"] + fed["uploads_a2"] == 5
+    # counts from a federation are noised estimates (issue 20): 3 A.1 contributors at z = 0.01
+    # round to 3; the A.2 uploads carry noise of std 5 * sqrt(2)
+    assert fed["counts_noised"] and m2["privacy"]["counts_noised"] and fed["contributors_a1"] == 3
+    assert m2["contributors_count"] == fed["contributors_a1"] + fed["uploads_a2"]
     tiers = m2["training_corpus_refs"]["player_contributed"]
-    assert tiers["A1_federated"]["contributors"] == 3 and tiers["A2_anonymized"]["uploads"] == 2
+    assert tiers["counts_noised"] and "No exact count" in tiers["noised_figures"]
+    assert (
+        tiers["A1_federated"]["contributors"] == 3 and tiers["A2_anonymized"]["uploads"] == fed["uploads_a2"]
+    )
+    assert "examples_per_round" not in json.dumps(m2)  # no exact count of anyone's data
     assert tiers["A1_federated"]["epsilon"] == pytest.approx(fed["epsilon_a1_user_level"])
+    assert m2["privacy"]["mechanisms"] == fed["mechanisms"]
     assert m2["weights_sha256"] != v1.manifest["weights_sha256"]
     assert set(v2.loras) == {"drunk-scavenger"}  # hivemind-broadcast's voice is merged into v2's weights
     # the model card: Hugging Face front matter and a privacy section with aggregates only
@@ -95,20 +104,22 @@ def test_run_all_publishes_v1_and_the_federated_v2(tiny_run: Path) -> None:
     assert (
         "Delta: 1e-05" in privacy
         and f"{fed['epsilon_a2_record_level']:.3f}" in privacy
-        and "3 contributors" in privacy
+        and "3 contributors (noised estimate)" in privacy
     )
-    state = json.loads(
-        (tiny_run / "federation" / fed["fingerprint"][:12] / "server/rounds/state.json").read_text()
-    )
-    contributor_ids = [c for c in state["contributors"] if c != "a2-pool"]
-    for text in (card, (v2.folder / "manifest.json").read_text()):
+    # each epsilon says exactly which mechanism it covers
+    assert privacy.count("  - covers: ") == 2
+    assert "Gaussian mechanism on the sum" in privacy and "DP-SGD on the anonymised pool" in privacy
+    assert "noised pool counts" in privacy and "Local DP-SGD on A.1 devices" in privacy
+    # the server never learns who contributed: no id reaches the card, the manifest or the registry,
+    # and the uploads table gets no per-contributor rows from a federation
+    devices = tiny_run / "federation" / fed["fingerprint"][:12] / "devices"
+    contributor_ids = [c for d in sorted(devices.glob("device-*")) if (c := device_examples(d)[1])]
+    assert len(contributor_ids) == 3
+    registry_bytes = (releases / "registry.sqlite").read_bytes()
+    for text in (card, (v2.folder / "manifest.json").read_text(), registry_bytes.decode("latin-1")):
         assert not any(c in text for c in contributor_ids)
-    # the uploads table names the pseudonymous contributors and the version they went into
     db = sqlite3.connect(releases / "registry.sqlite")
-    rows = db.execute(
-        "SELECT contributor_id, aggregated_into_version, gradient_blob FROM federated_gradient_uploads"
-    )
-    assert sorted(rows) == sorted((c, m2["version_id"], None) for c in contributor_ids)
+    assert db.execute("SELECT COUNT(*) FROM federated_gradient_uploads").fetchone() == (0,)
     # both load and generate; the merge changed the outputs
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
@@ -135,9 +146,11 @@ def test_mlflow_model_registry_and_promote(tiny_run: Path, capsys: pytest.Captur
     }
     assert set(versions) >= {"nimmerworld-base-v1", "nimmerworld-base-v2"}
     v2 = versions["nimmerworld-base-v2"]
+    manifest = open_version(tiny_run / "releases", "v2", _keyring(tiny_run)).manifest
     assert {"epsilon", "contributors_count", "corpus_refs", "recipe_ref"} <= set(v2.tags)
     assert (
-        v2.tags["contributors_count"] == "5" and json.loads(v2.tags["corpus_refs"])["literary"]["works"] == 3
+        v2.tags["contributors_count"] == str(manifest["contributors_count"])  # a noised estimate
+        and json.loads(v2.tags["corpus_refs"])["literary"]["works"] == 3
     )
     assert client.get_model_version_by_alias("nimmerworld-base", "candidate").version == v2.version
     lora = client.get_registered_model("nimmerworld-lora-drunk-scavenger")
@@ -156,7 +169,7 @@ def test_mlflow_model_registry_and_promote(tiny_run: Path, capsys: pytest.Captur
     assert "signature OK" in capsys.readouterr().out
     assert cli.main(["versions", "--releases", releases, "show", "v2"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["federated_gradient_uploads"] == 3 and shown["aliases"] == ["candidate"]
+    assert shown["federated_gradient_uploads"] == 0 and shown["aliases"] == ["candidate"]  # no ids, no rows
     assert cli.main(["versions", "--releases", releases, "show", "v9"]) == 1
     assert "no version 'v9'" in capsys.readouterr().err
 

@@ -19,7 +19,6 @@ from nimmer_train.runtime.local_model import LocalModel
 from nimmer_train.runtime.openai_server import create_app
 from nimmer_train.runtime.rings import RingA, RingB, RingC, RingConfig, RingReply, player_rings, word_count
 from nimmer_train.runtime.selection import RegisterSelector, SelectionConfig, cosine, vector
-from nimmer_train.runtime.structured import bounded
 from nimmer_train.runtime.turn import NpcRuntime, TurnError, TurnRequest
 from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, render_compact
 from nimmer_train.voice.registers import load_catalogue
@@ -237,27 +236,6 @@ def test_ring_a_and_ring_b_speak_valid_turns_per_register(tiny_model: LocalModel
                 assert turn.knobs == for_turn(CATALOGUE, register, PROFILES[register], 0.5, 0.0).as_dict() | {
                     "max_new_tokens": 48
                 }
-
-
-def test_bounded_schema_admits_only_valid_replies() -> None:
-    roomy = bounded(TURN_SCHEMA, 200)
-    assert set(roomy["properties"]) == {"utterance", "emotion", "gesture"}
-    budget = 200 - 2 - 3 * 6 - len("utteranceemotiongesture")  # a worst case of one character per token
-    props = roomy["properties"]
-    assert props["utterance"]["maxLength"] == budget - 2 * 16  # optional strings are kept short
-    assert props["emotion"]["maxLength"] == props["gesture"]["maxLength"] == 16
-    tight = bounded(TURN_SCHEMA, 48)  # only the required utterance fits a worst-case reply
-    assert (
-        list(tight["properties"]) == ["utterance"]
-        and tight["properties"]["utterance"]["maxLength"] == 48 - 17
-    )
-    for schema in (roomy, tight):
-        for reply in (
-            {"utterance": "x"},
-            {"utterance": "x" * schema["properties"]["utterance"]["maxLength"]},
-        ):
-            validate(reply, schema)
-            validate(reply, TURN_SCHEMA)
 
 
 @pytest.mark.slow

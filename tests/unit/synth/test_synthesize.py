@@ -18,7 +18,7 @@ def test_demo_seed_run_is_tracked_in_mlflow(tiny_run: Path) -> None:
     exp = client.get_experiment_by_name("nimmer-run_all")
     (run,) = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("stage") == "synthesize"]
     metrics = run.data.metrics
-    assert metrics["r0"] == 320 and 0 < metrics["r1"] <= 320 and "register_accuracy" in metrics
+    assert metrics["r0"] == 480 and 0 < metrics["r1"] <= 480 and "register_accuracy" in metrics
     assert run.data.tags["teacher_backend"] == "replay"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"samples.json", "data_card", "manifest.json", "config.yaml"} <= artifacts

@@ -168,7 +168,7 @@ def test_every_valid_prompt_renders_and_round_trips(prompt: TurnPrompt) -> None:
 def test_composition_expands_deterministically() -> None:
     spec = composition()
     requests = expand(spec, CATALOGUE)
-    assert len(requests) == 5 * 2 * 4 * 4 * 2 and len({r.key for r in requests}) == len(requests)
+    assert len(requests) == 5 * 2 * 6 * 4 * 2 and len({r.key for r in requests}) == len(requests)
     assert [r.key for r in expand(spec, CATALOGUE)] == [r.key for r in requests]
     first = requests[0]
     assert set(first.tags) == {"register", "jitter", "scene", "turn_intent", "zone"}
