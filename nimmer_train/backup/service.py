@@ -25,6 +25,7 @@ import re
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,52 +95,66 @@ class RateLimiter:
             return True
 
 
-def create_app(
-    store: BackupStore,
-    max_body: int = MAX_BODY_BYTES,
-    rate: tuple[int, float] = RATE_LIMIT,
-    address_rate: tuple[int, float] | None = None,
-) -> FastAPI:
-    app = FastAPI(title="nimmer LoRA backups")
-    limiter = RateLimiter(*rate)
-    per_address = RateLimiter(*(address_rate or ADDRESS_RATE_LIMIT))
+@dataclass
+class _Guard:
+    """What every request passes before a route runs: the body cap, the rate limits and the
+    device signature."""
 
-    async def read_body(request: Request) -> bytes:
+    store: BackupStore
+    max_body: int
+    rate: tuple[int, float]
+    limiter: RateLimiter
+    per_address: RateLimiter
+
+    async def read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > max_body):
-            raise HTTPException(413, f"the body is over the host's limit of {max_body} bytes")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+            raise HTTPException(413, f"the body is over the host's limit of {self.max_body} bytes")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > max_body:
-                raise HTTPException(413, f"the body is over the host's limit of {max_body} bytes")
+            if size > self.max_body:
+                raise HTTPException(413, f"the body is over the host's limit of {self.max_body} bytes")
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def refuse(address: str, reason: str) -> HTTPException:
-        if not limiter.allow(f"addr:{address}"):
+    def refuse(self, address: str, reason: str) -> HTTPException:
+        if not self.limiter.allow(f"addr:{address}"):
             return HTTPException(429, "too many failed requests from this address; wait a minute")
         return HTTPException(401, reason)
 
-    async def authenticated(request: Request) -> tuple[str, bytes]:
+    async def authenticated(self, request: Request) -> tuple[str, bytes]:
         """The signing account and the body, or 401/413/429."""
         address = request.client.host if request.client else "?"
-        if limiter.over(f"addr:{address}"):
+        if self.limiter.over(f"addr:{address}"):
             raise HTTPException(429, "too many failed requests from this address; wait a minute")
-        if per_address.over(address):
+        if self.per_address.over(address):
             raise HTTPException(429, "too many requests from this address; wait a minute")
-        body = await read_body(request)
+        body = await self.read_body(request)
+        account = self._verify(request, address, body)
+        if not self.limiter.allow(f"account:{account}"):
+            raise HTTPException(
+                429, f"rate limit: {self.rate[0]} requests per {self.rate[1]:.0f} s per account"
+            )
+        if not self.per_address.allow(address):
+            raise HTTPException(429, "too many requests from this address; wait a minute")
+        return account, body
+
+    def _verify(self, request: Request, address: str, body: bytes) -> str:
+        """The account whose device key signed this request (headers, timestamp, nonce), or 401."""
         h = request.headers
         account, stamp, nonce, signature = (
             h.get(k) for k in (ACCOUNT_HEADER, TIMESTAMP_HEADER, NONCE_HEADER, SIGNATURE_HEADER)
         )
         if not (account and stamp and nonce and signature):
-            raise refuse(address, "the request is not signed by a device key")
-        public = store.public_key(account)
+            raise self.refuse(address, "the request is not signed by a device key")
+        public = self.store.public_key(account)
         if public is None:
-            raise refuse(address, "unknown backup account: register the device first (POST /accounts)")
+            raise self.refuse(address, "unknown backup account: register the device first (POST /accounts)")
         if not STAMP_RE.fullmatch(stamp) or abs(time.time() - int(stamp)) > MAX_SKEW_S:
-            raise refuse(address, f"the request's timestamp is more than {MAX_SKEW_S} s off the host's clock")
+            raise self.refuse(
+                address, f"the request's timestamp is more than {MAX_SKEW_S} s off the host's clock"
+            )
         message = signed_message(
             request.method, request.url.path, request.url.query, body, stamp, nonce, account
         )
@@ -148,14 +163,26 @@ def create_app(
                 base64.b64decode(signature, validate=True), message
             )
         except (InvalidSignature, ValueError, binascii.Error) as exc:
-            raise refuse(address, "the request's signature does not verify against the device key") from exc
-        if not NONCE_RE.fullmatch(nonce) or not store.use_nonce(account, nonce, time.time(), 2 * MAX_SKEW_S):
-            raise refuse(address, "the request's nonce was already used (a replay) or is malformed")
-        if not limiter.allow(f"account:{account}"):
-            raise HTTPException(429, f"rate limit: {rate[0]} requests per {rate[1]:.0f} s per account")
-        if not per_address.allow(address):
-            raise HTTPException(429, "too many requests from this address; wait a minute")
-        return account, body
+            raise self.refuse(
+                address, "the request's signature does not verify against the device key"
+            ) from exc
+        if not NONCE_RE.fullmatch(nonce) or not self.store.use_nonce(
+            account, nonce, time.time(), 2 * MAX_SKEW_S
+        ):
+            raise self.refuse(address, "the request's nonce was already used (a replay) or is malformed")
+        return account
+
+
+def create_app(
+    store: BackupStore,
+    max_body: int = MAX_BODY_BYTES,
+    rate: tuple[int, float] = RATE_LIMIT,
+    address_rate: tuple[int, float] | None = None,
+) -> FastAPI:
+    app = FastAPI(title="nimmer LoRA backups")
+    limiter = RateLimiter(*rate)
+    guard = _Guard(store, max_body, rate, limiter, RateLimiter(*(address_rate or ADDRESS_RATE_LIMIT)))
+    read_body, authenticated = guard.read_body, guard.authenticated
 
     def own(account: str, signer: str) -> None:
         if account != signer:
