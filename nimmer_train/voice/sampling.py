@@ -89,11 +89,12 @@ def for_turn(
 
 # What ``generate`` itself is told when the knobs come as :func:`knob_processors`: sample, with its
 # own warpers neutral (the knobs are all in the processors).
-NEUTRAL_WARPERS: dict[str, bool | float | int] = {
+NEUTRAL_WARPERS: dict[str, bool | float | int] = {  # override a checkpoint's generation_config.json
     "do_sample": True,
     "temperature": 1.0,
     "top_k": 0,
     "top_p": 1.0,
+    "repetition_penalty": 1.0,  # else generate() adds the config's own penalty, which counts the prompt
 }
 
 

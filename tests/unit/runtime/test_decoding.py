@@ -62,17 +62,23 @@ def _prompt_ids(model: LocalModel) -> list[int]:
 
 
 @pytest.mark.slow
-def test_ring_a_does_not_penalise_a_word_of_the_prompt(tiny_model: LocalModel) -> None:
+@pytest.mark.parametrize(("knob_penalty", "config_penalty"), [(100.0, None), (1.0, 100.0)])
+def test_ring_a_does_not_penalise_a_word_of_the_prompt(
+    tiny_model: LocalModel, knob_penalty: float, config_penalty: float | None
+) -> None:
     """The prompt's word against one it lacks, the prompt's a little likelier: with a strong
     penalty a decoder that counts the prompt would pick the other (4 / 100 < 9); this one keeps
-    the prompt's word."""
+    the prompt's word, also when the checkpoint's generation_config.json carries a penalty of its
+    own while the turn's knob is neutral (generate() would apply the config's to the prompt)."""
+    tiny_model.model.generation_config.repetition_penalty = config_penalty
     prompt = _prompt_ids(tiny_model)
     word = tiny_model.tokenizer(" copper", add_special_tokens=False)["input_ids"][-1]
     other = next(t for t in range(10, len(tiny_model.tokenizer)) if t not in prompt)
     assert word in prompt
-    knobs = SamplingKnobs(0.05, 1.0, 0, repetition_penalty=100.0, min_p=0.0, max_new_tokens=1)
+    knobs = SamplingKnobs(0.05, 1.0, 0, repetition_penalty=knob_penalty, min_p=0.0, max_new_tokens=1)
     with logits(tiny_model, {word: 10.0, other: 9.0}):
         out = tiny_model.generate(MESSAGES, tiny_model.registers[0], knobs, seed=3)
+    tiny_model.model.generation_config.repetition_penalty = None
     assert out.completion_tokens == 1
     assert out.text == tiny_model.tokenizer.decode([word])
 
