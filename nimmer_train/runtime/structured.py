@@ -77,8 +77,9 @@ def bounded(
     one per character without it) closes within ``max_new_tokens``, the end-of-turn token
     included: a maxLength on each top-level string property and, when the budget is tight, only
     the required properties. Whatever it admits is valid under ``schema``. A reply that runs
-    denser than that is closed by :class:`SchemaMask` when its budget runs out, so the JSON is
-    never left open."""
+    denser than that is closed by :class:`SchemaMask` when its budget runs out from inside or
+    just after a string value; one that runs out inside a key it has just started is left open
+    and the turn fails as ``invalid_output`` (never malformed JSON to the game)."""
     props = schema.get("properties")
     if schema.get("type") != "object" or not isinstance(props, dict):
         return schema
