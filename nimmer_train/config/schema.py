@@ -68,6 +68,9 @@ class CorpusConfig:
     source_dir: str = MISSING
     works: dict[str, WorkConfig] = field(default_factory=dict)
     include: list[str] | None = None  # subset of works by key; null = all
+    # a selected work that is missing, unreadable or whose sha256 differs from its config fails
+    # ingest; true: build from the works that are there (each skipped work is named in the card)
+    allow_partial: bool = False
     chunk_chars: int = 2000
     min_chunk_chars: int = 200
     validation_fraction: float = 0.1

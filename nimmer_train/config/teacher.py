@@ -21,6 +21,9 @@ class TeacherConfig:
     concurrency: int = 8
     timeout_s: float = 60.0
     max_retries: int = 5
+    # share of requests that may fail at the transport level (no reply after retries) before the
+    # run stops with an error instead of publishing a thin corpus; the cache keeps what arrived
+    max_failure_share: float = 0.02
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
     batch_size: int = 8  # hf_local generation batch
@@ -42,5 +45,7 @@ class TeacherConfig:
             raise ConfigError(
                 f"teacher.{needs[self.backend]}", f"required for teacher.backend={self.backend}"
             )
+        if not 0.0 <= self.max_failure_share < 1.0:
+            raise ConfigError("teacher.max_failure_share", f"must be in [0, 1), got {self.max_failure_share}")
         if self.concurrency < 1:
             raise ConfigError("teacher.concurrency", "must be >= 1")

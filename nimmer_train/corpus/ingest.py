@@ -156,22 +156,23 @@ def _read_works(
     for key, work in corpus.selected_works().items():
         path, sha = sources[key]
         if sha is None:
-            skipped[key] = f"file {path} not found"
-            log.warning("skipping %s: file %s not found", key, path)
+            skipped[key] = _unusable(corpus, key, f"file {path} not found")
+            continue
+        if work.sha256 and work.sha256 != sha:
+            skipped[key] = _unusable(
+                corpus, key, f"{path} has sha256 {sha}, but corpus.works.{key}.sha256 expects {work.sha256}"
+            )
             continue
         try:
             text = clean(path.read_bytes(), work.drop_before, work.drop_after)
         except UnusableFile as exc:
-            skipped[key] = f"{path.name}: {exc.reason}"
-            log.warning("skipping %s (%s): %s", key, path, exc.reason)
+            skipped[key] = _unusable(corpus, key, f"{path}: {exc.reason}")
             continue
         except ValueError as exc:  # a drop rule that matches nothing is a config mistake
             field = "drop_before" if "drop_before" in str(exc) else "drop_after"
             raise ConfigError(f"corpus.works.{key}.{field}", f"{exc} in {path}") from exc
         if not text.gutenberg_markers:
             log.warning("%s: no Project Gutenberg markers found; kept the whole file", path)
-        if work.sha256 and work.sha256 != sha:
-            log.warning("%s: sha256 %s differs from the one in config (%s)", path, sha, work.sha256)
         chunks = chunk_paragraphs(text.text.split("\n\n"), corpus.chunk_chars, corpus.min_chunk_chars)
         per_work[key] = {
             "encoding": text.encoding,
@@ -181,6 +182,18 @@ def _read_works(
         }
         rows += [_row(key, work, path, sha, text.encoding, i, c) for i, c in enumerate(chunks)]
     return rows, per_work, skipped
+
+
+def _unusable(corpus: CorpusConfig, key: str, problem: str) -> str:
+    """A selected work that cannot be used: an error, or (``corpus.allow_partial``) a warning."""
+    if not corpus.allow_partial:
+        raise NimmerError(
+            f"corpus work {key}: {problem}. Fetch it again with `python -m pipelines.fetch_corpus "
+            f"corpus.include=[{key}]`, leave it out with corpus.include, or build without it with "
+            "corpus.allow_partial=true"
+        )
+    log.warning("skipping %s (corpus.allow_partial): %s", key, problem)
+    return problem
 
 
 def _row(key: str, work: WorkConfig, path: Path, sha: str, encoding: str, i: int, text: str) -> dict:

@@ -57,6 +57,7 @@ _NOT_SEMANTIC = (
     "concurrency",
     "timeout_s",
     "max_retries",
+    "max_failure_share",
     "backoff_base_s",
     "backoff_max_s",
     "batch_size",
@@ -152,7 +153,7 @@ def synthesize(
     started = time.time()
     records: list[dict[str, Any]] = []
     try:
-        for request, reply, cached in run_requests(requests, teacher, cache):
+        for request, reply, cached in run_requests(requests, teacher, cache, teacher_cfg.max_failure_share):
             records.append(_record(request, reply, cached, teacher.backend, teacher.model))
             if len(records) % 50 == 0:
                 log.info("%d / %d replies", len(records), len(requests))

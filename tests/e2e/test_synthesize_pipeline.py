@@ -98,3 +98,24 @@ def test_bad_replies_are_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
     assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant"]
     assert json.loads(row["messages"][2]["content"])["utterance"]
     assert json.loads(row["messages"][0]["content"])["turn_intent"] == row["turn_intent"]
+
+
+def test_an_unreachable_teacher_fails_the_run_and_the_next_run_continues(tmp_path: Path) -> None:
+    answers = seed_answers()
+    one = ("composition.registers=[caste-preacher]", "composition.per_register=12")
+    down = run_pipeline(
+        "synthesize", tmp_path, *one, *_teacher("http://127.0.0.1:9", concurrency=1), check=False
+    )
+    assert down.returncode == 1, down.stderr
+    assert (
+        "error: teacher openai_compatible (http://127.0.0.1:9/v1/chat/completions) is failing" in down.stderr
+    )
+    assert "connection" in down.stderr and "re-run" in down.stderr
+    published = tmp_path / "artifacts/synth"
+    assert not published.exists() or not [p for p in published.iterdir() if not p.name.startswith(".")]
+
+    with serve(lambda body: answers[body["messages"][0]["content"]]) as server:
+        run_pipeline("synthesize", tmp_path, *one, *_teacher(server.url, concurrency=1))
+        assert server.total == 12  # nothing had arrived: everything asked once, now answered
+    stats = json.loads((_synth_dir(tmp_path) / "stats.json").read_text())
+    assert stats["r0"] == 12 and "backend_error" not in stats["rejections"]

@@ -23,6 +23,19 @@ class TeacherFatalError(NimmerError):
     """A failure retrying cannot fix (bad request, bad key, forbidden): the run stops."""
 
 
+class TeacherUnavailable(NimmerError):
+    """Too many requests got no reply at all (connection, timeout, server errors after retries):
+    the backend failed, not its replies, so the run stops instead of publishing a thin corpus."""
+
+
+TRANSPORT_ERRORS = ("timeout", "connection", "malformed_response")  # and every "http_<status>"
+
+
+def transport_failed(reply: TeacherReply) -> bool:
+    """Did ``reply`` fail because the backend could not be reached or answered with an error?"""
+    return reply.error is not None and (reply.error in TRANSPORT_ERRORS or reply.error.startswith("http_"))
+
+
 class Teacher(Protocol):
     backend: str
     model: str

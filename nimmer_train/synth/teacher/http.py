@@ -4,6 +4,7 @@ errors; Retry-After honoured; 400/401/403 fail at once with a clear message."""
 from __future__ import annotations
 
 import email.utils
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -13,6 +14,8 @@ import httpx
 
 from nimmer_train.config import TeacherConfig
 from nimmer_train.synth.teacher.base import TeacherFatalError, TeacherReply
+
+log = logging.getLogger(__name__)
 
 RETRYABLE = {408, 409, 425, 429, 500, 502, 503, 504, 529}
 FATAL_HINT = {
@@ -80,5 +83,19 @@ def post_with_retries(
                 except (ValueError, KeyError, IndexError, TypeError):
                     error = "malformed_response"
         if attempt < cfg.max_retries:
-            sleep(wait if wait is not None else backoff_s(attempt, cfg))
+            delay = wait if wait is not None else backoff_s(attempt, cfg)
+            log.warning(
+                "teacher %s: %s (attempt %d of %d); retrying in %.1f s%s",
+                url,
+                error,
+                attempt + 1,
+                cfg.max_retries + 1,
+                delay,
+                " as the server asked (Retry-After)" if wait is not None else "",
+            )
+            sleep(delay)
+        else:
+            log.warning(
+                "teacher %s: %s after %d attempts; giving up on this request", url, error, attempt + 1
+            )
     return TeacherReply(None, latency_s=time.perf_counter() - started, error=error)

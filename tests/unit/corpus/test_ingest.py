@@ -146,7 +146,7 @@ def _tiny_corpus(folder: Path, files: dict[str, bytes]) -> CorpusConfig:
 PROSE = ("It was a bright cold day in the city, and the clocks were striking. " * 4 + "\n\n") * 30
 
 
-def test_bad_files_are_skipped_with_named_warnings(tmp_path: Path, caplog) -> None:
+def test_bad_files_are_skipped_with_named_warnings_when_partial_is_allowed(tmp_path: Path, caplog) -> None:
     corpus = _tiny_corpus(
         tmp_path / "src",
         {
@@ -157,7 +157,7 @@ def test_bad_files_are_skipped_with_named_warnings(tmp_path: Path, caplog) -> No
         },
     )
     absent = WorkConfig(file="absent.txt", title="a", author="b")
-    corpus = dataclasses.replace(corpus, works={**corpus.works, "absent": absent})
+    corpus = dataclasses.replace(corpus, works={**corpus.works, "absent": absent}, allow_partial=True)
     with caplog.at_level(logging.WARNING):
         result = ingest(corpus, tmp_path / "artifacts")
     assert set(result.stats["skipped"]) == {"empty", "image", "absent"}
@@ -169,8 +169,27 @@ def test_bad_files_are_skipped_with_named_warnings(tmp_path: Path, caplog) -> No
     assert result.stats["duplicates_removed"]["exact"] > 0  # the repeated paragraphs
 
 
+def test_a_missing_or_altered_work_fails_naming_the_file_the_hashes_and_the_fix(tmp_path: Path) -> None:
+    corpus = _tiny_corpus(tmp_path / "src", {"good.txt": PROSE.encode(), "other.txt": PROSE[::-1].encode()})
+    pinned = dataclasses.replace(corpus.works["other"], sha256="0" * 64)
+    altered = dataclasses.replace(corpus, works={**corpus.works, "other": pinned})
+    with pytest.raises(NimmerError) as exc:
+        ingest(altered, tmp_path / "artifacts")
+    message = str(exc.value)
+    assert "corpus work other:" in message and str(tmp_path / "src" / "other.txt") in message
+    assert f"expects {'0' * 64}" in message and "has sha256 " in message
+    assert "pipelines.fetch_corpus corpus.include=[other]" in message and "allow_partial" in message
+    absent = dataclasses.replace(
+        corpus, works={**corpus.works, "gone": WorkConfig(file="gone.txt", title="g", author="h")}
+    )
+    with pytest.raises(NimmerError, match=r"corpus work gone: file .*gone.txt not found"):
+        ingest(absent, tmp_path / "artifacts")
+    assert not (tmp_path / "artifacts").exists()  # nothing written before failing
+
+
 def test_no_usable_text_fails_clearly(tmp_path: Path) -> None:
     corpus = _tiny_corpus(tmp_path / "src", {"empty.txt": b"", "blob.txt": b"\x00\x01\x02"})
+    corpus = dataclasses.replace(corpus, allow_partial=True)
     with pytest.raises(NimmerError, match="no usable text in .*empty.txt: empty file"):
         ingest(corpus, tmp_path / "artifacts")
     assert not (tmp_path / "artifacts" / "corpus").exists() or not any(

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from nimmer_train.config import TeacherConfig
-from nimmer_train.synth.teacher import ResponseCache, TeacherFatalError, make_teacher, run_requests
+from nimmer_train.synth.teacher import (
+    ResponseCache,
+    TeacherFatalError,
+    TeacherUnavailable,
+    make_teacher,
+    run_requests,
+)
 from nimmer_train.voice.composition import expand
 from nimmer_train.voice.registers import load_catalogue
 from tests.helpers.compose import composition
@@ -94,6 +100,34 @@ def test_failures_are_not_cached(requests, tmp_path: Path) -> None:
         assert first[0][1].error == "http_500"
         second = list(run_requests(requests[:1], make_teacher(cfg), ResponseCache(Path(cfg.cache))))
         assert second[0][1].error is None and not second[0][2]  # asked again, now answered
+
+
+def test_an_unreachable_teacher_stops_the_run_and_keeps_what_arrived(requests, tmp_path: Path) -> None:
+    with serve() as server:  # answers two requests, then the backend is down (500 to everything)
+        cfg = _cfg(server.url, tmp_path, max_retries=0, concurrency=1, max_failure_share=0.2)
+        server.script = ["ok", "ok"] + [(500, {}, "down")] * 10
+        with pytest.raises(
+            TeacherUnavailable, match=r"2 requests got no reply \(http_500 2\).*2 new replies"
+        ):
+            list(run_requests(requests, make_teacher(cfg), ResponseCache(Path(cfg.cache)), 0.2))
+        assert server.total == 4  # stopped at the second failure: 6 requests allow int(0.2 * 6) = 1
+    retry = list(run_requests(requests[:2], make_teacher(cfg), ResponseCache(Path(cfg.cache))))
+    assert all(cached for _, _, cached in retry)  # what arrived before the failure is kept
+
+
+def test_nothing_listening_fails_fast_naming_the_address(requests, tmp_path: Path) -> None:
+    cfg = _cfg("http://127.0.0.1:9", tmp_path, max_retries=0)
+    with pytest.raises(TeacherUnavailable, match=r"127\.0\.0\.1:9.*connection"):
+        list(run_requests(requests, make_teacher(cfg), ResponseCache(Path(cfg.cache)), cfg.max_failure_share))
+
+
+def test_retries_are_logged_with_reason_and_wait(requests, tmp_path: Path, caplog) -> None:
+    with serve() as server, caplog.at_level("WARNING", logger="nimmer_train.synth.teacher.http"):
+        server.script = [(503, {}, "busy"), (429, {"Retry-After": "0"}, "slow down")]
+        assert make_teacher(_cfg(server.url, tmp_path)).generate(requests[:1])[0].error is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("http_503 (attempt 1 of 4); retrying in" in line for line in lines)
+    assert any("http_429 (attempt 2 of 4); retrying in 0.0 s as the server asked" in line for line in lines)
 
 
 @pytest.mark.parametrize("status", [400, 401, 403])
