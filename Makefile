@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench clean clean-keys
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,5 +39,8 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_publish
 	$(BIN)/python -m benchmarks.bench_runtime
 
-clean:
-	rm -rf artifacts mlartifacts mlflow.db outputs multirun benchmarks/results releases federation players runtime
+clean:  # everything jobs write, except signing keys (clean-keys)
+	rm -rf artifacts cache mlartifacts mlruns mlflow.db outputs multirun benchmarks/results releases federation players runtime
+
+clean-keys:  # the publisher's signing key and trusted keys: versions signed with it can't be re-signed
+	rm -rf keys

@@ -8,15 +8,19 @@ user can fix (``NimmerError``) also print as one line. ``HYDRA_FULL_ERROR=1`` sh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
@@ -127,22 +131,59 @@ def _quiet_progress_bars() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def pipeline(stage: Callable[[Config], object]) -> Callable[[], None]:
-    """Turn ``stage(cfg: Config)`` into a Hydra entry point with one-line error reporting."""
+class _Tee(io.TextIOBase):
+    """stdout that also goes to the job's log file, so the log holds the stage's summary lines."""
 
-    @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+    def __init__(self, stream: TextIO, log_file: Path) -> None:
+        self.stream, self.log_file = stream, log_file
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        with self.log_file.open("a", encoding="utf-8") as log:
+            log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+
+def _job_log() -> Path:
+    job = HydraConfig.get()
+    return Path(job.runtime.output_dir) / f"{job.job.name}.log"
+
+
+def pipeline(stage: Callable[[Config], object]) -> Callable[[], None]:
+    """Turn ``stage(cfg: Config)`` into a Hydra entry point with one-line error reporting.
+
+    Hydra names the job after the stage's own file (``outputs/build_base/<time>/build_base.log``),
+    ``--help`` starts with the stage's docstring, and the job log gets what the stage prints."""
+
     def task(cfg: DictConfig) -> None:
-        try:
-            stage(_to_config(cfg))
-        except NimmerError as exc:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                raise
-            _fail(str(exc), code=1)
+        log_file = _job_log()
+        with contextlib.redirect_stdout(_Tee(sys.stdout, log_file)):
+            try:
+                stage(_to_config(cfg))
+            except NimmerError as exc:
+                if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                with log_file.open("a", encoding="utf-8") as log:
+                    log.write(f"error: {exc}\n")
+                _fail(str(exc), code=1)
+
+    functools.update_wrapper(task, stage)  # Hydra takes the job name from the wrapped stage's file
+    task.__annotations__ = {"cfg": DictConfig, "return": None}
+    hydra_task = hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(task)
 
     @functools.wraps(stage)
     def main() -> None:
+        if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+            doc = sys.modules[stage.__module__].__doc__ or stage.__doc__ or ""
+            print(f"{doc.strip()}\n")
         precheck(sys.argv[1:])
         _quiet_progress_bars()
-        task()
+        hydra_task()
 
     return main

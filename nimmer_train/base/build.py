@@ -45,6 +45,7 @@ from nimmer_train.base.tokenizer import load_pretrained, train_bpe
 from nimmer_train.config import Config, load_config, save_config
 from nimmer_train.corpus.ingest import IngestResult
 from nimmer_train.errors import NimmerError
+from nimmer_train.progress import Progress, with_progress
 from nimmer_train.tracking import metric_logger
 
 log = logging.getLogger(__name__)
@@ -198,9 +199,20 @@ def worker(work: Path) -> None:
         cfg.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.train.seed
     )
     logger = metric_logger(inputs["run_id"] if accelerator.is_main_process else None, inputs["tracking_uri"])
-    state = train(
-        model, blocks["train"], blocks["validation"], cfg.train, accelerator, work / "checkpoints", logger
-    )
+    progress = Progress("build_base", cfg.train.max_steps) if accelerator.is_main_process else None
+    try:
+        state = train(
+            model,
+            blocks["train"],
+            blocks["validation"],
+            cfg.train,
+            accelerator,
+            work / "checkpoints",
+            with_progress(logger, progress) if progress else logger,
+        )
+    finally:
+        if progress:
+            progress.close()
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:

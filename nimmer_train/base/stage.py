@@ -9,8 +9,8 @@ import mlflow
 from datasets import load_from_disk
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import read_manifest, write_json_atomic
-from nimmer_train.base.build import BaseResult, build_base, plan
+from nimmer_train.artifacts import intact_manifest, read_manifest, write_json_atomic
+from nimmer_train.base.build import BasePlan, BaseResult, build_base, plan
 from nimmer_train.config import Config
 from nimmer_train.corpus.ingest import IngestResult, ingest
 
@@ -22,11 +22,25 @@ def build_base_stage(
     if corpus is None:  # find the ingested corpus by fingerprint (ingest it if it is missing)
         corpus = ingest(cfg.corpus, cfg.paths.artifacts_dir())
     p = plan(cfg, corpus)
+    if intact_manifest(p.out) is not None and mlflow.active_run() is None:
+        result = build_base(cfg, corpus, p, None)  # up to date: no run, no work folder, no debris
+    else:
+        result = _tracked_build(cfg, corpus, p, pipeline)
+    m = result.metrics
+    print(
+        f"base: {result.path} ({'reused' if result.reused else 'built'}); validation perplexity "
+        f"{m['initial_val_ppl']:.1f} untrained -> {m['final_val_ppl']:.1f} trained"
+    )
+    return result
+
+
+def _tracked_build(cfg: Config, corpus: IngestResult, p: BasePlan, pipeline: str) -> BaseResult:
     run_file = p.work / "run.json"
     previous = json.loads(run_file.read_text())["run_id"] if run_file.exists() else None
     with tracking.stage_run(cfg, pipeline, "build_base", resume_run_id=previous) as run_id:
         if run_id:
-            write_json_atomic(run_file, {"run_id": run_id})
+            if intact_manifest(p.out) is None:  # a killed build resumes this run
+                write_json_atomic(run_file, {"run_id": run_id})
             for split in ("train", "validation"):
                 data = load_from_disk(str(corpus.dataset_dir / split))
                 tracking.log_dataset(
@@ -44,9 +58,4 @@ def build_base_stage(
             )
             mlflow.set_tags({"reused": str(result.reused), "model_dir": str(result.path)})
             tracking.log_manifest(result.path, read_manifest(result.path))
-    m = result.metrics
-    print(
-        f"base: {result.path} ({'reused' if result.reused else 'built'}); validation perplexity "
-        f"{m['initial_val_ppl']:.1f} untrained -> {m['final_val_ppl']:.1f} trained"
-    )
     return result

@@ -33,7 +33,7 @@ class TeacherConfig:
     extra_sampling: bool = True  # send top_k / repetition_penalty / min_p (vLLM, llama.cpp, ...)
     price_in_per_mtok: float = 0.0  # USD per million prompt tokens, for the cost figure
     price_out_per_mtok: float = 0.0
-    cache: str = "${paths.workdir}/teacher_cache.sqlite"
+    cache: str = "${paths.workdir}/cache/teacher_cache.sqlite"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -98,15 +98,34 @@ def corpus_fingerprint(corpus: CorpusConfig, sources: dict[str, tuple[Path, str 
     )
 
 
-def ingest(corpus: CorpusConfig, artifacts: Path) -> IngestResult:
-    """Build (or find) the corpus dataset for ``corpus`` under ``artifacts``."""
+def _locate(
+    corpus: CorpusConfig, artifacts: Path
+) -> tuple[dict[str, tuple[Path, str | None]], str, Path, IngestResult | None]:
+    """(sources, fingerprint, folder, the published dataset there or None) for ``corpus``."""
     sources = source_files(corpus)
     fp = corpus_fingerprint(corpus, sources)
     out = artifacts / "corpus" / f"{corpus.name}-{fp[:12]}"
     manifest = intact_manifest(out)
-    if manifest is not None:
+    found = IngestResult(out, fp, manifest["lineage"]["stats"], reused=True) if manifest else None
+    return sources, fp, out, found
+
+
+def find_corpus(corpus: CorpusConfig, artifacts: Path) -> IngestResult:
+    """The already-built corpus dataset for ``corpus``; a clear error when there is none."""
+    _, _, out, found = _locate(corpus, artifacts)
+    if found is None:
+        raise NimmerError(
+            f"no corpus dataset at {out}: run `python -m pipelines.ingest` with the same overrides first"
+        )
+    return found
+
+
+def ingest(corpus: CorpusConfig, artifacts: Path) -> IngestResult:
+    """Build (or find) the corpus dataset for ``corpus`` under ``artifacts``."""
+    sources, fp, out, found = _locate(corpus, artifacts)
+    if found is not None:
         log.info("corpus %s is up to date at %s; nothing to do", corpus.name, out)
-        return IngestResult(out, fp, manifest["lineage"]["stats"], reused=True)
+        return found
 
     rows, per_work, skipped = _read_works(corpus, sources)
     if not rows:

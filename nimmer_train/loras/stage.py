@@ -18,7 +18,7 @@ from nimmer_train import tracking
 from nimmer_train.artifacts import MANIFEST, intact_manifest, write_json_atomic
 from nimmer_train.base.build import plan
 from nimmer_train.config import Config
-from nimmer_train.corpus.ingest import IngestResult, ingest
+from nimmer_train.corpus.ingest import IngestResult, find_corpus
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import base_identity
 from nimmer_train.loras.evaluation import BASE, EVAL_SETS, HEADLINE, TOKEN_CLASSES, Evaluation, evaluate
@@ -31,6 +31,7 @@ from nimmer_train.loras.train import (
     train_adapter,
     work_dir,
 )
+from nimmer_train.progress import Progress, with_progress
 from nimmer_train.synth.synthesize import SynthResult, find_synth
 from nimmer_train.voice.registers import Register
 
@@ -120,8 +121,8 @@ def _inputs(
     registers to train, checked against the catalogue."""
     settings = cfg.lora
     artifacts = cfg.paths.artifacts_dir()
-    corpus = corpus or ingest(cfg.corpus, artifacts)
     synth = synth or find_synth(cfg.composition, cfg.registers, cfg.teacher, cfg.curation, artifacts)
+    corpus = corpus or find_corpus(cfg.corpus, artifacts)  # found, never built: inputs before work
     base_dir = Path(settings.base_dir) if settings.base_dir else base_dir or plan(cfg, corpus).out
     if not (base_dir / MANIFEST).exists():
         raise NimmerError(
@@ -168,9 +169,19 @@ def _train_and_publish(
 ) -> None:
     settings = cfg.lora
     logger = tracking.metric_logger(run_id, cfg.tracking.tracking_uri() if run_id else None)
-    model, metrics = train_adapter(
-        name, data, inputs.base_dir, settings, cfg.model.lora_target_modules, work_dir(out), logger
-    )
+    progress = Progress(f"train_loras {name}", settings.max_steps)
+    try:
+        model, metrics = train_adapter(
+            name,
+            data,
+            inputs.base_dir,
+            settings,
+            cfg.model.lora_target_modules,
+            work_dir(out),
+            with_progress(logger, progress),
+        )
+    finally:
+        progress.close()
     metrics.update(
         r1_examples=data.r1_examples,
         literary_examples=data.literary_examples,

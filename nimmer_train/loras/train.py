@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,7 +149,9 @@ def train_adapter(
     resume = latest_complete_checkpoint(work / "checkpoints")
     if resume:
         log.info("%s: resuming from %s", name, resume)
-    result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    with warnings.catch_warnings():  # transformers 5 deprecates a name PEFT/TRL still call: not ours to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     moved = [p for n, p in trainer.model.named_parameters() if "lora_B" in n and p.abs().sum() > 0]
     if not moved:
         raise NimmerError(f"{name}: the LoRA weights did not change during training; nothing was learnt")

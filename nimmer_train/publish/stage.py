@@ -35,9 +35,9 @@ def _base_dir(cfg: Config, base_dir: Path | None) -> Path:
     if base_dir is not None:
         return base_dir
     from nimmer_train.base.build import plan
-    from nimmer_train.corpus.ingest import ingest
+    from nimmer_train.corpus.ingest import find_corpus
 
-    found = plan(cfg, ingest(cfg.corpus, cfg.paths.artifacts_dir())).out
+    found = plan(cfg, find_corpus(cfg.corpus, cfg.paths.artifacts_dir())).out
     if intact_manifest(found) is None:
         raise NimmerError(
             f"no built base at {found}: run `python -m pipelines.build_base` with the same overrides "
@@ -110,13 +110,13 @@ def publish_stage(
     signed versions in the registry, synced to the MLflow Model Registry."""
     p = cfg.publish
     releases = Path(p.releases_dir).resolve()
+    base = _base_dir(cfg, base_dir)  # every input is checked before anything is written
+    adapters = _loras(cfg, base, loras)
+    merge = _merge(cfg, loras, federation)
     key = Path(p.signing_key)
     if not key.exists() and p.create_signing_key:
         kid = generate_key(key, Path(p.trusted_keys))
         print(f"publish: created signing key {kid} at {key} (trusted in {p.trusted_keys})")
-    base = _base_dir(cfg, base_dir)
-    adapters = _loras(cfg, base, loras)
-    merge = _merge(cfg, loras, federation)
     recipe = {"git_commit": git_commit(), "config": json.loads(json.dumps(dataclasses.asdict(cfg)))}
     common = {"loras": adapters, "recipe": recipe, "license": p.license, "blob_base_url": p.blob_base_url}
     common["evaluation"] = _evaluation(adapters, loras)

@@ -3,6 +3,7 @@ fails before any work, with one clear line and no traceback."""
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 from tests.helpers.pipelines import run_pipeline
@@ -25,3 +26,45 @@ def test_cli_missing_corpus_is_one_clear_line(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: corpus folder") and "pipelines.fetch_corpus" in last
+
+
+def test_each_stage_has_its_own_job_name_help_and_log(tmp_path: Path) -> None:
+    proc = run_pipeline("ingest", tmp_path, "corpus.include=[plato_apology]")
+    (log,) = (tmp_path / "outputs" / "ingest").glob("*/ingest.log")
+    summary = next(line for line in proc.stdout.splitlines() if line.startswith("corpus: "))
+    assert summary in log.read_text()  # the log holds what the stage printed, not only logging
+    assert "corpus literary:" in log.read_text()
+    assert not (tmp_path / "outputs" / "entry").exists()
+
+    failed = run_pipeline("ingest", tmp_path, f"corpus.source_dir={tmp_path}/none", check=False)
+    assert failed.returncode == 1
+    assert any(
+        "error: corpus folder" in p.read_text()
+        for p in (tmp_path / "outputs" / "ingest").glob("*/ingest.log")
+    )
+
+    helped = run_pipeline("build_base", tmp_path, "--help")
+    assert helped.stdout.startswith("Build the nimmerworld base")
+    assert "build_base is powered by Hydra" in helped.stdout
+
+
+def test_missing_inputs_fail_before_anything_is_written(tmp_path: Path) -> None:
+    publish = run_pipeline("publish", tmp_path, "corpus.include=[plato_apology]", check=False)
+    assert publish.returncode == 1 and "no corpus dataset at" in publish.stderr
+    assert not (tmp_path / "keys").exists()  # no signing key made before the missing input failed
+
+    loras = run_pipeline("train_loras", tmp_path, "corpus.include=[plato_apology]", check=False)
+    assert loras.returncode == 1 and "no synthetic corpus at" in loras.stderr
+    assert not (tmp_path / "artifacts").exists()  # the corpus was not built on the way to failing
+
+
+def test_an_up_to_date_base_leaves_nothing_behind(tiny_run: Path) -> None:
+    def runs() -> int:
+        with sqlite3.connect(tiny_run / "mlflow.db") as db:
+            return db.execute("select count(*) from runs").fetchone()[0]
+
+    before = runs()
+    proc = run_pipeline("build_base", tiny_run, "experiment=ci_tiny")
+    assert "(reused)" in proc.stdout
+    assert runs() == before  # no empty MLflow run
+    assert not list((tiny_run / "artifacts" / "base").glob(".work-*"))

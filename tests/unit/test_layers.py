@@ -17,7 +17,7 @@ LIBRARY = REPO / "nimmer_train"
 # the root package's own __init__. Imports inside one unit are free; across units they must go to
 # a strictly lower layer, so two packages of one layer may not import each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("nimmer_train", "errors", "artifacts"),
+    ("nimmer_train", "errors", "artifacts", "progress"),
     ("voice",),
     ("config",),
     ("tracking", "privacy", "backup"),

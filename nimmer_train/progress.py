@@ -1,0 +1,100 @@
+"""Progress of long steps in the terminal: a tqdm bar when stderr is a terminal, otherwise (CI
+logs, redirected output) one log line at most every ``every_s`` seconds, plus the last step.
+
+Both show the step out of the total, the latest loss, throughput and the time left. The stages
+wrap their MLflow metric logger with :func:`with_progress`, so the figures the terminal shows are
+the ones the tracking store gets.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+from tqdm import tqdm
+
+log = logging.getLogger("nimmer_train.progress")
+
+MetricLogger = Callable[[dict[str, float], int], None]
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0.0, seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class Progress:
+    """``label``: step/total, loss, tokens/s and ETA; call :meth:`update` with absolute steps."""
+
+    def __init__(self, label: str, total: int, every_s: float = 30.0, stream: TextIO | None = None) -> None:
+        self.label, self.total, self.every_s = label, max(1, total), every_s
+        stream = stream if stream is not None else sys.stderr
+        self.bar = (
+            tqdm(total=self.total, desc=label, unit="step", file=stream, dynamic_ncols=True)
+            if stream.isatty()
+            else None
+        )
+        self.start_step: int | None = None  # the first step seen (a resumed run starts late)
+        self.started = time.perf_counter()
+        self.last_line = -float("inf")
+        self.figures: dict[str, float] = {}
+
+    def update(self, step: int, metrics: dict[str, float] | None = None) -> None:
+        if self.start_step is None:
+            self.start_step, self.started = step, time.perf_counter()
+        for key in ("train_loss", "val_loss", "tokens_per_s"):
+            if metrics and key in metrics:
+                self.figures[key] = float(metrics[key])
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix_str(self._figures(), refresh=False)
+            self.bar.refresh()
+            return
+        now = time.perf_counter()
+        if now - self.last_line >= self.every_s or step >= self.total:
+            self.last_line = now
+            log.info(
+                "%s: step %d/%d (%d%%)%s",
+                self.label,
+                step,
+                self.total,
+                100 * step // self.total,
+                self._line(step),
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def _figures(self) -> str:
+        parts = []
+        if "train_loss" in self.figures:
+            parts.append(f"loss {self.figures['train_loss']:.3f}")
+        if "val_loss" in self.figures:
+            parts.append(f"val {self.figures['val_loss']:.3f}")
+        if "tokens_per_s" in self.figures:
+            parts.append(f"{self.figures['tokens_per_s']:,.0f} tok/s")
+        return ", ".join(parts)
+
+    def _line(self, step: int) -> str:
+        figures = self._figures()
+        done = step - (self.start_step or 0)
+        elapsed = time.perf_counter() - self.started
+        eta = (
+            f"ETA {_duration(elapsed / done * (self.total - step))}" if done > 0 and step < self.total else ""
+        )
+        tail = ", ".join(p for p in (figures, eta) if p)
+        return f", {tail}" if tail else ""
+
+
+def with_progress(logger: MetricLogger, progress: Progress) -> MetricLogger:
+    """``logger`` that also moves ``progress`` to each logged step."""
+
+    def log_and_show(metrics: dict[str, float], step: int) -> None:
+        logger(metrics, step)
+        progress.update(step, metrics)
+
+    return log_and_show
