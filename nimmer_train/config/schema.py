@@ -261,6 +261,9 @@ class PublishConfig:
     merge_adapter: str | None = None  # merge this adapter folder instead (a federated or A.2 adapter)
     blob_base_url: str | None = None  # download location players see; null: file:// of releases_dir
     license: str = "apache-2.0"
+    # a registry's first version becomes `production` (what `nimmer serve` and players load by
+    # default); every later one is only `candidate` until `nimmer versions promote vN`
+    promote_first: bool = True
 
 
 @dataclass

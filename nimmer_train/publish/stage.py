@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -92,6 +93,22 @@ def _evaluation(adapters: list[Path], loras: LoraResult | None) -> dict | None:
     return evaluation if evaluation.pop("adapters", None) == names else None
 
 
+def _promote_first(releases: Path, first: Version) -> None:
+    """A registry without a production version gets its first one (publish.promote_first)."""
+    registry = Registry.open(releases)
+    try:
+        with registry.writing():
+            if "production" in registry.aliases():
+                return
+            registry.set_alias("production", first, datetime.now(UTC).isoformat(timespec="seconds"))
+    finally:
+        registry.close()
+    print(
+        f"publish: {first.label} is production (the registry's first version); later versions stay "
+        "candidate until `nimmer versions promote vN`"
+    )
+
+
 @dataclass
 class PublishResult:
     """The versions this stage published or found already published, oldest first."""
@@ -131,6 +148,8 @@ def publish_stage(
             print(
                 f"publish: {version.label} {'published' if new else 'already published'} at {version.folder}"
             )
+        if p.promote_first:
+            _promote_first(releases, published[0])
         if run_id:
             uri = cfg.tracking.tracking_uri()
             registry = Registry.open(releases)

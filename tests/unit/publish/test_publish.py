@@ -153,6 +153,8 @@ def test_mlflow_model_registry_and_promote(tiny_run: Path, capsys: pytest.Captur
         and json.loads(v2.tags["corpus_refs"])["literary"]["works"] == 3
     )
     assert client.get_model_version_by_alias("nimmerworld-base", "candidate").version == v2.version
+    first = client.get_model_version_by_alias("nimmerworld-base", "production")  # publish.promote_first
+    assert first.tags["version_label"] == "nimmerworld-base-v1"
     lora = client.get_registered_model("nimmerworld-lora-drunk-scavenger")
     (mv,) = client.search_model_versions(f"name='{lora.name}'")
     assert mv.tags["fits"] == "nimmerworld-base-v1,nimmerworld-base-v2"
