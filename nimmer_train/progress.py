@@ -40,6 +40,7 @@ class Progress:
         self.start_step: int | None = None  # the first step seen (a resumed run starts late)
         self.started = time.perf_counter()
         self.last_line = -float("inf")
+        self.last_text = ""
         self.figures: dict[str, float] = {}
 
     def update(self, step: int, metrics: dict[str, float] | None = None) -> None:
@@ -54,16 +55,11 @@ class Progress:
             self.bar.refresh()
             return
         now = time.perf_counter()
-        if now - self.last_line >= self.every_s or step >= self.total:
-            self.last_line = now
-            log.info(
-                "%s: step %d/%d (%d%%)%s",
-                self.label,
-                step,
-                self.total,
-                100 * step // self.total,
-                self._line(step),
-            )
+        line = f"{self.label}: step {step}/{self.total} ({100 * step // self.total}%){self._line(step)}"
+        due = now - self.last_line >= self.every_s or step >= self.total
+        if due and line != self.last_text:  # the last step's evaluations repeat it: once is enough
+            self.last_line, self.last_text = now, line
+            log.info("%s", line)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -67,7 +67,7 @@ def run_all(cfg: Config) -> RunAllResult:
     with tracking.stage_run(cfg, "run_all", "run_all"):
         corpus = ingest_stage(cfg, pipeline="run_all")
         synth = synthesize_stage(cfg, pipeline="run_all")
-        base = build_base_stage(cfg, corpus, pipeline="run_all")
+        base = build_base_stage(cfg, corpus, synth, pipeline="run_all")
         loras = train_loras_stage(cfg, corpus, synth, base.path, pipeline="run_all")
         federation = federate_stage(cfg, loras, pipeline="run_all") if cfg.federated.enabled else None
         published = (

@@ -20,9 +20,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -40,9 +41,9 @@ from nimmer_train.artifacts import (
     write_manifest,
 )
 from nimmer_train.base.modeling import build_model, count_parameters
-from nimmer_train.base.pretrain import pack_blocks, train
+from nimmer_train.base.pretrain import batch_indices, pack_blocks, train
 from nimmer_train.base.tokenizer import load_pretrained, train_bpe
-from nimmer_train.config import Config, load_config, save_config
+from nimmer_train.config import Config, TrainConfig, load_config, save_config
 from nimmer_train.corpus.ingest import IngestResult
 from nimmer_train.errors import NimmerError
 from nimmer_train.progress import Progress, with_progress
@@ -50,7 +51,8 @@ from nimmer_train.tracking import metric_logger
 
 log = logging.getLogger(__name__)
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2  # 2: the base mixes in the synthetic dialogue (train.synthetic_share)
+VALIDATION_SPLIT = "validation"  # the synthetic r1 split of held-out scenes
 _NOT_SEMANTIC = (
     "log_every",
     "eval_every",
@@ -60,6 +62,13 @@ _NOT_SEMANTIC = (
     "launcher",
     "accelerate_config",
 )
+
+
+class SyntheticInput(Protocol):
+    """The teacher-tier synthetic corpus a base mixes in (the synth stage's result)."""
+
+    path: Path  # holds r1/, a DatasetDict of conversations ("messages") with a train split
+    fingerprint: str
 
 
 @dataclass(frozen=True)
@@ -77,16 +86,27 @@ class BaseResult:
     reused: bool
 
 
-def plan(cfg: Config, corpus: IngestResult) -> BasePlan:
+def plan(cfg: Config, corpus: IngestResult, synthetic: SyntheticInput | None = None) -> BasePlan:
+    """Where the base for this config and these corpora lives; ``synthetic`` is required when
+    ``train.synthetic_share`` > 0 (the base is built from both corpora) and ignored otherwise."""
     train_cfg = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _NOT_SEMANTIC}
     from nimmer_train.base import modeling, pretrain, tokenizer
 
     code = source_fingerprint(modeling, pretrain, tokenizer, sys.modules[__name__])
+    datasets = {"literary": corpus.fingerprint}
+    if cfg.train.synthetic_share > 0:
+        if synthetic is None:
+            raise NimmerError(
+                f"train.synthetic_share={cfg.train.synthetic_share} builds the base from the literary and "
+                "the synthetic corpus, and no synthetic corpus was given: run `python -m "
+                "pipelines.synthesize` with the same overrides first, or set train.synthetic_share=0"
+            )
+        datasets["synthetic"] = synthetic.fingerprint
     fp = fingerprint(
         {
             "version": BUILD_VERSION,
             "code": code,
-            "dataset": corpus.fingerprint,
+            "dataset": corpus.fingerprint if len(datasets) == 1 else datasets,
             "model": dataclasses.asdict(cfg.model),
             "train": train_cfg,
         }
@@ -96,7 +116,13 @@ def plan(cfg: Config, corpus: IngestResult) -> BasePlan:
     return BasePlan(fp, root / name, root / f".work-{name}")
 
 
-def build_base(cfg: Config, corpus: IngestResult, p: BasePlan, run_id: str | None) -> BaseResult:
+def build_base(
+    cfg: Config,
+    corpus: IngestResult,
+    p: BasePlan,
+    run_id: str | None,
+    synthetic: SyntheticInput | None = None,
+) -> BaseResult:
     """Train (or resume) the base described by ``p`` and publish it; reuse it if published."""
     existing = intact_manifest(p.out)
     if existing:
@@ -108,6 +134,9 @@ def build_base(cfg: Config, corpus: IngestResult, p: BasePlan, run_id: str | Non
         p.work / "inputs.json",
         {
             "dataset_dir": str(corpus.dataset_dir),
+            "synthetic_dir": str(synthetic.path / "r1")
+            if synthetic and cfg.train.synthetic_share > 0
+            else None,
             "run_id": run_id,
             "tracking_uri": cfg.tracking.tracking_uri() if cfg.tracking.enabled else None,
         },
@@ -132,6 +161,7 @@ def build_base(cfg: Config, corpus: IngestResult, p: BasePlan, run_id: str | Non
         lineage = {
             "dataset_fingerprint": corpus.fingerprint,
             "dataset_dir": str(corpus.dataset_dir),
+            "training_corpus_refs": _corpus_refs(cfg, corpus, synthetic, result),
             "config_hash": p.fingerprint,
             "git_commit": git_commit(),
             "model": dataclasses.asdict(cfg.model),
@@ -141,6 +171,29 @@ def build_base(cfg: Config, corpus: IngestResult, p: BasePlan, run_id: str | Non
         write_manifest(staging, "base", p.fingerprint, lineage)
     shutil.rmtree(p.work, ignore_errors=True)
     return BaseResult(p.out, p.fingerprint, result, reused=False)
+
+
+def _corpus_refs(
+    cfg: Config, corpus: IngestResult, synthetic: SyntheticInput | None, result: dict[str, Any]
+) -> dict[str, Any]:
+    """What the base was trained on: each corpus's fingerprint, folder and training tokens, the mix."""
+    refs: dict[str, Any] = {
+        "literary": {
+            "fingerprint": corpus.fingerprint,
+            "dataset_dir": str(corpus.dataset_dir),
+            "train_tokens": result["tokens_by_corpus"]["literary"],
+        },
+        "mix": {"synthetic_share": cfg.train.synthetic_share, "order": "interleaved (one shuffle per epoch)"},
+    }
+    if synthetic is not None and cfg.train.synthetic_share > 0:
+        refs["synthetic"] = {
+            "fingerprint": synthetic.fingerprint,
+            "dataset_dir": str(synthetic.path / "r1"),
+            "split": "train (held-out scenes stay out)",
+            "train_tokens": result["tokens_by_corpus"]["synthetic"],
+            "repeats": result["synthetic_repeats"],
+        }
+    return refs
 
 
 def launch_command(cfg: Config, work: Path) -> list[str]:
@@ -181,20 +234,27 @@ def worker(work: Path) -> None:
         )
     set_seed(cfg.train.seed)
     dataset = load_from_disk(inputs["dataset_dir"])
+    synthetic = load_from_disk(inputs["synthetic_dir"]) if inputs.get("synthetic_dir") else None
+    main = accelerator.is_main_process
     with accelerator.main_process_first():
-        tokenizer = _tokenizer(cfg, dataset, work / "tokenizer", accelerator.is_main_process)
+        tokenizer = _tokenizer(cfg, _tokenizer_texts(dataset, synthetic), work / "tokenizer", main)
+        texts = {split: dataset[split]["text"] for split in ("train", "validation")}
+        if synthetic is not None:
+            for split, name in (("train", "synthetic-train"), (VALIDATION_SPLIT, "synthetic-validation")):
+                texts[name] = [
+                    tokenizer.apply_chat_template(messages, tokenize=False)
+                    for messages in synthetic[split]["messages"]
+                ]
         blocks = {
-            split: _blocks(
-                tokenizer,
-                dataset[split]["text"],
-                cfg.train.seq_len,
-                work / f"blocks-{split}.npy",
-                accelerator.is_main_process,
-            )
-            for split in ("train", "validation")
+            name: _blocks(tokenizer, part, cfg.train.seq_len, work / f"blocks-{name}.npy", main)
+            for name, part in texts.items()
         }
     if len(blocks["train"]) == 0:
         raise NimmerError(f"the train split has fewer than train.seq_len={cfg.train.seq_len} tokens")
+    literary_blocks = len(blocks["train"])
+    train_blocks, repeats = mix_blocks(
+        blocks["train"], blocks.get("synthetic-train"), cfg.train.synthetic_share, cfg.train.seed
+    )
     model = build_model(
         cfg.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.train.seed
     )
@@ -203,12 +263,13 @@ def worker(work: Path) -> None:
     try:
         state = train(
             model,
-            blocks["train"],
+            train_blocks,
             blocks["validation"],
             cfg.train,
             accelerator,
             work / "checkpoints",
             with_progress(logger, progress) if progress else logger,
+            extra_val={"synthetic": blocks["synthetic-validation"]} if synthetic is not None else None,
         )
     finally:
         if progress:
@@ -222,6 +283,7 @@ def worker(work: Path) -> None:
         tokenizer.save_pretrained(out)
         evals = [h for h in state.history if "val_loss" in h]
         trains = [h for h in state.history if "train_loss" in h]
+        synth_evals = [h for h in state.history if "val_loss_synthetic" in h]
         write_json_atomic(
             work / "result.json",
             {
@@ -233,8 +295,17 @@ def worker(work: Path) -> None:
                 "final_val_loss": evals[-1]["val_loss"] if evals else math.nan,
                 "final_val_ppl": evals[-1]["val_ppl"] if evals else math.nan,
                 "final_train_loss": trains[-1]["train_loss"] if trains else math.nan,
-                "train_blocks": len(blocks["train"]),
+                "initial_val_ppl_synthetic": synth_evals[0]["val_ppl_synthetic"] if synth_evals else math.nan,
+                "final_val_ppl_synthetic": synth_evals[-1]["val_ppl_synthetic"] if synth_evals else math.nan,
+                "train_blocks": len(train_blocks),
+                "literary_train_blocks": literary_blocks,
+                "synthetic_train_blocks": len(train_blocks) - literary_blocks,
+                "synthetic_repeats": repeats,
+                "tokens_by_corpus": tokens_by_corpus(
+                    cfg.train, len(train_blocks), literary_blocks, state.step, accelerator.num_processes
+                ),
                 "validation_blocks": len(blocks["validation"]),
+                "synthetic_validation_blocks": len(blocks.get("synthetic-validation", ())),
                 "processes": accelerator.num_processes,
             },
         )
@@ -242,14 +313,50 @@ def worker(work: Path) -> None:
     accelerator.end_training()
 
 
-def _tokenizer(cfg: Config, dataset: Any, folder: Path, main: bool) -> Any:
+def mix_blocks(
+    literary: torch.Tensor, synthetic: torch.Tensor | None, share: float, seed: int
+) -> tuple[torch.Tensor, float]:
+    """The training blocks: all literary blocks plus synthetic ones making up ``share`` of the
+    total (the synthetic set repeated in shuffled passes when it is shorter); and how many times
+    the synthetic set is used (e.g. 2.4). The trainer shuffles them together every epoch."""
+    if synthetic is None or share <= 0 or not len(synthetic):
+        return literary, 0.0
+    want = round(share / (1 - share) * len(literary))
+    rng = np.random.default_rng([seed, 7])
+    passes = -(-want // len(synthetic))
+    order = np.concatenate([rng.permutation(len(synthetic)) for _ in range(passes)])[:want]
+    return torch.cat([literary, synthetic[torch.from_numpy(order)]]), want / len(synthetic)
+
+
+def tokens_by_corpus(cfg: TrainConfig, n: int, literary: int, steps: int, world: int) -> dict[str, int]:
+    """Training tokens the sampler drew from each corpus in ``steps`` steps (blocks below index
+    ``literary`` are literary, the rest synthetic): exact, from the same batch indices."""
+    synthetic = total = 0
+    for step in range(steps):
+        for micro in range(cfg.grad_accum_steps):
+            for rank in range(world):
+                drawn = batch_indices(step, micro, cfg, rank, world, n)
+                synthetic += int((drawn >= literary).sum())
+                total += len(drawn)
+    return {"literary": (total - synthetic) * cfg.seq_len, "synthetic": synthetic * cfg.seq_len}
+
+
+def _tokenizer_texts(dataset: Any, synthetic: Any | None) -> Iterator[str]:
+    """What a trained tokenizer learns from: the literary train split and the synthetic turns."""
+    yield from dataset["train"]["text"]
+    if synthetic is not None:
+        for messages in synthetic["train"]["messages"]:
+            yield from (m["content"] for m in messages)
+
+
+def _tokenizer(cfg: Config, texts: Iterable[str], folder: Path, main: bool) -> Any:
     """Train the BPE tokenizer once (rank 0) and reload it everywhere else and on resume."""
     if cfg.model.tokenizer == "pretrained":
         return load_pretrained(str(cfg.model.name_or_path))
     if not (folder / "tokenizer.json").exists():
         if not main:
             raise RuntimeError("rank 0 did not write the tokenizer")
-        tok = train_bpe(dataset["train"]["text"], cfg.model.vocab_size, cfg.model.max_position_embeddings)
+        tok = train_bpe(texts, cfg.model.vocab_size, cfg.model.max_position_embeddings)
         with atomic_dir(folder) as staging:
             tok.save_pretrained(staging)
     return load_pretrained(str(folder))

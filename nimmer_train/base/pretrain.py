@@ -152,8 +152,13 @@ def train(
     accelerator: Accelerator,
     checkpoints: Path | None = None,
     log: MetricLogger = lambda metrics, step: None,
+    extra_val: dict[str, torch.Tensor] | None = None,
 ) -> TrainState:
-    """Train ``model`` for ``cfg.max_steps`` optimizer steps, resuming from ``checkpoints``."""
+    """Train ``model`` for ``cfg.max_steps`` optimizer steps, resuming from ``checkpoints``.
+
+    ``extra_val`` names more validation sets (e.g. the synthetic dialogue's held-out scenes),
+    scored before training and at the end as ``val_loss_<name>`` / ``val_ppl_<name>``."""
+    extra = {name: blocks for name, blocks in (extra_val or {}).items() if len(blocks)}
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -164,10 +169,12 @@ def train(
         accelerator.load_state(str(resume))
         state = TrainState(**json.loads((resume / TRAIN_STATE).read_text()))
         accelerator.print(f"resumed from {resume} at step {state.step}")
-    elif val_blocks is not None and len(val_blocks):
-        val = evaluate(model, val_blocks, cfg, accelerator)
-        state.history.append({"step": 0, "val_loss": val, "val_ppl": math.exp(val)})
-        log({"val_loss": val, "val_ppl": math.exp(val)}, 0)
+    else:
+        if val_blocks is not None and len(val_blocks):
+            val = evaluate(model, val_blocks, cfg, accelerator)
+            state.history.append({"step": 0, "val_loss": val, "val_ppl": math.exp(val)})
+            log({"val_loss": val, "val_ppl": math.exp(val)}, 0)
+        _score_extra(model, extra, cfg, accelerator, state, log)
 
     world, rank, n = accelerator.num_processes, accelerator.process_index, len(train_blocks)
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len * world * cfg.grad_accum_steps
@@ -212,7 +219,24 @@ def train(
             val = evaluate(model, val_blocks, cfg, accelerator)
             state.history.append({"step": state.step, "val_loss": val, "val_ppl": math.exp(val)})
             log({"val_loss": val, "val_ppl": math.exp(val)}, state.step)
+        if state.step == cfg.max_steps:
+            _score_extra(model, extra, cfg, accelerator, state, log)
         at_checkpoint = cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0
         if checkpoints and (at_checkpoint or state.step == cfg.max_steps):
             save_checkpoint(accelerator, checkpoints, state, cfg.keep_checkpoints)
     return state
+
+
+def _score_extra(
+    model: torch.nn.Module,
+    extra: dict[str, torch.Tensor],
+    cfg: TrainConfig,
+    accelerator: Accelerator,
+    state: TrainState,
+    log: MetricLogger,
+) -> None:
+    for name, blocks in extra.items():
+        val = evaluate(model, blocks, cfg, accelerator)
+        figures = {f"val_loss_{name}": val, f"val_ppl_{name}": math.exp(val)}
+        state.history.append({"step": state.step, **figures})
+        log(figures, state.step)

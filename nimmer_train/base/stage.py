@@ -10,31 +10,43 @@ from datasets import load_from_disk
 
 from nimmer_train import tracking
 from nimmer_train.artifacts import intact_manifest, read_manifest, write_json_atomic
-from nimmer_train.base.build import BasePlan, BaseResult, build_base, plan
+from nimmer_train.base.build import BasePlan, BaseResult, SyntheticInput, build_base, plan
 from nimmer_train.config import Config
 from nimmer_train.corpus.ingest import IngestResult, ingest
 
 
 def build_base_stage(
-    cfg: Config, corpus: IngestResult | None = None, pipeline: str = "build_base"
+    cfg: Config,
+    corpus: IngestResult | None = None,
+    synth: SyntheticInput | None = None,
+    pipeline: str = "build_base",
 ) -> BaseResult:
-    """Build the base inside an MLflow run; a killed build resumes its checkpoints and its run."""
+    """Build the base inside an MLflow run; a killed build resumes its checkpoints and its run.
+    ``synth`` (the synthetic corpus) is needed when ``train.synthetic_share`` > 0."""
     if corpus is None:  # find the ingested corpus by fingerprint (ingest it if it is missing)
         corpus = ingest(cfg.corpus, cfg.paths.artifacts_dir())
-    p = plan(cfg, corpus)
+    p = plan(cfg, corpus, synth)
     if intact_manifest(p.out) is not None and mlflow.active_run() is None:
-        result = build_base(cfg, corpus, p, None)  # up to date: no run, no work folder, no debris
+        result = build_base(cfg, corpus, p, None, synth)  # up to date: no run, no work folder, no debris
     else:
-        result = _tracked_build(cfg, corpus, p, pipeline)
+        result = _tracked_build(cfg, corpus, synth, p, pipeline)
     m = result.metrics
+    synthetic = (
+        f"; on the synthetic dialogue's held-out scenes {m['initial_val_ppl_synthetic']:.1f} -> "
+        f"{m['final_val_ppl_synthetic']:.1f}"
+        if math.isfinite(m.get("final_val_ppl_synthetic", math.nan))
+        else ""
+    )
     print(
         f"base: {result.path} ({'reused' if result.reused else 'built'}); validation perplexity "
-        f"{m['initial_val_ppl']:.1f} untrained -> {m['final_val_ppl']:.1f} trained"
+        f"{m['initial_val_ppl']:.1f} untrained -> {m['final_val_ppl']:.1f} trained{synthetic}"
     )
     return result
 
 
-def _tracked_build(cfg: Config, corpus: IngestResult, p: BasePlan, pipeline: str) -> BaseResult:
+def _tracked_build(
+    cfg: Config, corpus: IngestResult, synth: SyntheticInput | None, p: BasePlan, pipeline: str
+) -> BaseResult:
     run_file = p.work / "run.json"
     previous = json.loads(run_file.read_text())["run_id"] if run_file.exists() else None
     with tracking.stage_run(cfg, pipeline, "build_base", resume_run_id=previous) as run_id:
@@ -51,7 +63,7 @@ def _tracked_build(cfg: Config, corpus: IngestResult, p: BasePlan, pipeline: str
                     dataset=data,
                 )
             mlflow.set_tags({"dataset_fingerprint": corpus.fingerprint, "config_hash": p.fingerprint})
-        result = build_base(cfg, corpus, p, run_id)
+        result = build_base(cfg, corpus, p, run_id, synth)
         if run_id:
             mlflow.log_metrics(
                 {k: v for k, v in result.metrics.items() if isinstance(v, int | float) and math.isfinite(v)}

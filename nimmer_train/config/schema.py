@@ -155,6 +155,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    # share of the training blocks that are teacher-tier synthetic dialogue (the r1 train split,
+    # rendered through the chat template, repeated if it is short), shuffled in with the literary
+    # blocks; 0: a base from the literary corpus alone
+    synthetic_share: float = 0.1
     eval_every: int = 50
     eval_batches: int | None = None  # null: every validation block; N: a stratified sample of N batches
     checkpoint_every: int = 50
@@ -177,6 +181,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.synthetic_share < 1.0:
+            raise ConfigError("train.synthetic_share", f"must be in [0, 1), got {self.synthetic_share}")
         if self.launcher not in ("local", "torchrun", "accelerate"):
             raise ConfigError(
                 "train.launcher", f"must be local, torchrun or accelerate, got {self.launcher!r}"

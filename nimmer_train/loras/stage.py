@@ -123,7 +123,7 @@ def _inputs(
     artifacts = cfg.paths.artifacts_dir()
     synth = synth or find_synth(cfg.composition, cfg.registers, cfg.teacher, cfg.curation, artifacts)
     corpus = corpus or find_corpus(cfg.corpus, artifacts)  # found, never built: inputs before work
-    base_dir = Path(settings.base_dir) if settings.base_dir else base_dir or plan(cfg, corpus).out
+    base_dir = Path(settings.base_dir) if settings.base_dir else base_dir or plan(cfg, corpus, synth).out
     if not (base_dir / MANIFEST).exists():
         raise NimmerError(
             f"no published base at {base_dir}: run `python -m pipelines.build_base` with the "

@@ -70,8 +70,15 @@ def render(manifest: dict[str, Any], license_: str) -> str:
         f"fingerprint `{lit['fingerprint'][:12]}`",
     ]
     if refs.get("synthetic"):
+        synth = refs["synthetic"]
+        mixed = (
+            f", {synth['train_tokens']} tokens of the base's pretraining "
+            f"({synth.get('repeats', 0):.1f} passes)"
+            if "train_tokens" in synth
+            else ""
+        )
         lines.append(
-            f"- Teacher-tier synthetic dialogue (r1), fingerprint `{refs['synthetic']['fingerprint'][:12]}`"
+            f"- Teacher-tier synthetic dialogue (r1), fingerprint `{synth['fingerprint'][:12]}`{mixed}"
         )
     lines += [
         f"- Player data: A.1 federated {player['A1_federated']['contributors']} contributors, "

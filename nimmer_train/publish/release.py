@@ -108,7 +108,9 @@ def _corpus_refs(req: PublishRequest, base_manifest: dict[str, Any], merged: dic
     tiers = contributed.get("tiers", {})
     return {
         "literary": literary,
-        "synthetic": {"fingerprint": merged["datasets"]["synth"]} if merged else None,
+        # the base's own mix (issue 25), else the synthetic set the merged adapter was trained on
+        "synthetic": lineage.get("training_corpus_refs", {}).get("synthetic")
+        or ({"fingerprint": merged["datasets"]["synth"]} if merged else None),
         "player_contributed": {
             "opt_out": {"used": False},
             # counts from a federation are noised estimates (issue 20): never an exact count

@@ -37,8 +37,16 @@ def _base_dir(cfg: Config, base_dir: Path | None) -> Path:
         return base_dir
     from nimmer_train.base.build import plan
     from nimmer_train.corpus.ingest import find_corpus
+    from nimmer_train.synth.synthesize import find_synth
 
-    found = plan(cfg, find_corpus(cfg.corpus, cfg.paths.artifacts_dir())).out
+    artifacts = cfg.paths.artifacts_dir()
+    corpus = find_corpus(cfg.corpus, artifacts)
+    synth = (
+        find_synth(cfg.composition, cfg.registers, cfg.teacher, cfg.curation, artifacts)
+        if cfg.train.synthetic_share > 0
+        else None
+    )
+    found = plan(cfg, corpus, synth).out
     if intact_manifest(found) is None:
         raise NimmerError(
             f"no built base at {found}: run `python -m pipelines.build_base` with the same overrides "

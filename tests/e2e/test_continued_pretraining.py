@@ -13,7 +13,13 @@ from tests.helpers.pipelines import run_pipeline
 
 pytestmark = pytest.mark.slow
 
-SHORT = ("experiment=ci_tiny", "train.max_steps=20", "train.warmup_steps=2", "train.eval_every=10")
+SHORT = (
+    "experiment=ci_tiny",
+    "train.max_steps=20",
+    "train.warmup_steps=2",
+    "train.eval_every=10",
+    "train.synthetic_share=0",  # the literary corpus alone (the mix is tested in test_base_mix.py)
+)
 
 
 def _published(workdir: Path) -> Path:

@@ -29,6 +29,7 @@ def test_torchrun_two_processes(tmp_path: Path) -> None:
         "train.nproc=2",
         "train.max_steps=40",
         "train.eval_every=20",
+        "train.synthetic_share=0",  # the literary corpus alone (the mix is tested in test_base_mix.py)
     )
     (folder,) = [p for p in (tmp_path / "artifacts/base").iterdir() if not p.name.startswith(".")]
     assert verify_manifest(folder) == []

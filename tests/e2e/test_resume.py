@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ def _weights_sha(workdir: Path) -> str:
 
 def test_sigkill_then_resume_matches_uninterrupted(tiny_run: Path, tmp_path: Path) -> None:
     straight, killed = tiny_run, tmp_path / "killed"
+    shutil.copytree(tiny_run / "artifacts/synth", killed / "artifacts/synth")  # the base mixes it in
 
     kill_when(
         "build_base",
