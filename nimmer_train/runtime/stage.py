@@ -164,4 +164,5 @@ def _speak(cfg: Config, path: Path) -> list[Turn]:
             f"T={k['temperature']}, top_p={k['top_p']}, top_k={k['top_k']})"
         )
         print(f"      {json.dumps(t.reply, ensure_ascii=False)}")
+    print(f"turns (with prompts, knobs and timings): {path}")
     return turns
