@@ -2,16 +2,14 @@
 process, same batches): per-sample gradients from hooks, and Opacus ghost clipping.
 
 Goal: DP / non-DP <= 1.5 (only the adapter needs per-sample gradients).
-Writes benchmarks/results/bench_dp.json.  python -m benchmarks.bench_dp
+``python -m benchmarks.bench_dp [--smoke]`` (the harness writes benchmarks/results/bench_dp.json).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 import warnings
-from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -22,7 +20,7 @@ from nimmer_train.config import ModelConfig
 from nimmer_train.privacy.dp_sgd import DPConfig, lm_loss, lora_changed, lora_snapshot, make_private
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-STEPS, BATCH, SEQ = 14, 8, 128
+BATCH = 8
 
 
 def lora_model() -> torch.nn.Module:
@@ -35,11 +33,12 @@ def median_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     loader: DataLoader,
+    steps: int,
     criterion: object | None = None,
 ) -> float:
     times = []
     batches = iter(loader)
-    for _ in range(STEPS):
+    for _ in range(steps):
         (x,) = next(batches)
         start = time.perf_counter()
         loss = lm_loss(model, x, x, criterion)
@@ -50,16 +49,18 @@ def median_step(
     return statistics.median(times[2:])
 
 
-def main() -> None:
+def run(smoke: bool = False) -> dict[str, object]:
+    """Median step times of non-DP and DP-SGD (hooks, ghost) LoRA training, same batches."""
     warnings.filterwarnings("ignore")
+    steps, seq = (4, 32) if smoke else (14, 128)
     data = TensorDataset(
-        torch.randint(0, 4096, (BATCH * STEPS * 2, SEQ), generator=torch.Generator().manual_seed(0))
+        torch.randint(0, 4096, (BATCH * steps * 2, seq), generator=torch.Generator().manual_seed(0))
     )
-    report: dict[str, object] = {"model": "tiny", "batch": BATCH, "seq_len": SEQ, "lora_rank": 8}
     model = lora_model()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    base = median_step(model, optimizer, DataLoader(data, batch_size=BATCH))
-    report["non_dp_step_s"] = base
+    base = median_step(model, optimizer, DataLoader(data, batch_size=BATCH), steps)
+    figures: dict[str, object] = {"model": "tiny", "batch": BATCH, "seq_len": seq, "lora_rank": 8}
+    figures["non_dp_step_s"] = base
     for mode in ("hooks", "ghost"):
         model = lora_model()
         before = lora_snapshot(model)
@@ -70,22 +71,20 @@ def main() -> None:
             DataLoader(data, batch_size=BATCH),
             DPConfig(poisson_sampling=False, grad_sample_mode=mode),
         )
-        step = median_step(private.model, private.optimizer, private.loader, private.criterion)
-        report[f"dp_{mode}_step_s"] = step
-        report[f"dp_{mode}_over_non_dp"] = step / base
-        report[f"dp_{mode}_lora_changed"] = lora_changed(private.model, before)
-    out = Path(__file__).parent / "results" / "bench_dp.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"non-DP LoRA step {base * 1000:.0f} ms")
-    for mode in ("hooks", "ghost"):
-        print(
-            f"DP-SGD ({mode}) step {report[f'dp_{mode}_step_s'] * 1000:.0f} ms, "
-            f"ratio {report[f'dp_{mode}_over_non_dp']:.2f} (goal <= 1.5), "
-            f"LoRA weights changed: {report[f'dp_{mode}_lora_changed']}"
-        )
-    print(f"-> {out}")
+        step = median_step(private.model, private.optimizer, private.loader, steps, private.criterion)
+        figures[f"dp_{mode}_step_s"] = step
+        figures[f"dp_{mode}_over_non_dp_ratio"] = step / base
+        figures[f"dp_{mode}_lora_changed"] = lora_changed(private.model, before)
+    return {
+        "dp_hooks_over_non_dp_ratio": figures.pop("dp_hooks_over_non_dp_ratio"),
+        "dp_ghost_over_non_dp_ratio": figures.pop("dp_ghost_over_non_dp_ratio"),
+        "goal": "a DP-SGD LoRA step costs at most 1.5 non-DP steps (ratios <= 1.5), and the LoRA "
+        "weights change (Opacus + PEFT)",
+        **figures,
+    }
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.harness import main
+
+    main(run)

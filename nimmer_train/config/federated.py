@@ -29,7 +29,15 @@ SECAGG_MODULUS_RANGE = 2**32
 SECAGG_MAX_NODES = SECAGG_MODULUS_RANGE // SECAGG_QUANTIZATION_RANGE - 1  # 1023
 FAULTS = ("crash", "nan", "wrong_shape", "wrong_dtype")
 PLACES = ("base_dir", "work_dir", "out_dir", "a2_pool", "tracking_uri")  # deployed server's run config
-SIMULATION_ONLY = ("enabled", "register", "contributors", "population", "entries_per_player", "faults")
+SIMULATION_ONLY = (
+    "enabled",
+    "register",
+    "contributors",
+    "population",
+    "population_rest",
+    "entries_per_player",
+    "faults",
+)
 
 
 @dataclass
@@ -43,6 +51,10 @@ class FederatedConfig:
     # participation (robustness)
     min_participants: int = 3  # fewer surviving contributors than this: the round makes no update
     fraction_fit: float = 1.0  # share of the nodes sampled per round (the q of user-level accounting)
+    # N of the user-level mechanism: every released mean is (clipped sum + noise) / (q N), a fixed
+    # denominator, never the survivors; 0: the simulated nodes (contributors + the A.2 node). A
+    # deployment sets it to the population its SuperNodes are drawn from.
+    population_size: int = 0
     round_timeout: float = 300.0  # seconds a node may take per SecAgg+ stage before it counts as gone
     secure_aggregation: bool = True  # SecAgg+ (the server only sees the sum); false: plain FedAvg
     # SecAgg+ key shares per node (itself and its ring neighbours) and the shares needed to unmask;
@@ -60,6 +72,9 @@ class FederatedConfig:
     # examples a device trains on at most; the A.2 pool trains on all of its examples at the public
     # Poisson rate batch_size / max_examples (its size stays out of its epsilon)
     max_examples: int = 256
+    # local DP-SGD on A.1 devices (a record-level layer under the user-level noise); false: plain
+    # local SGD on the device (deterministic given the round's seed), the user-level mechanism alone
+    local_dp: bool = True
     dp_noise_multiplier: float = 1.0  # 0 only with no_privacy
     dp_max_grad_norm: float = 0.1
     grad_sample_mode: str = "hooks"  # hooks | ghost (Opacus ghost clipping)
@@ -72,6 +87,12 @@ class FederatedConfig:
     delta: float = 1.0e-5
     epsilon_budget: float | None = None  # stop before a round that would pass it (A.1 or A.2)
     no_privacy: bool = False  # an experiment without DP: noise multipliers may be 0, no epsilon published
+    # record-level audit (issue 14): Secret-Sharer canaries planted 1, 4 and 16 times among the A.2
+    # pool's lines, the A.2 node's DP-SGD over the released rounds and a non-DP control, each
+    # canary ranked among exposure_references candidates; 0 canaries: no audit
+    exposure_canaries: int = 4  # canaries per planting count
+    exposure_references: int = 10_000  # reference candidates per canary (exposure at most log2 of it)
+    exposure_control_steps: int = 0  # the control's local steps per round; 0: the run's local_steps
     # server-side held-out evaluation: a synthetic player generated on the server, never a contributor
     heldout_examples: int = 64
     # simulation: virtual contributors built from synthetic players
@@ -86,6 +107,9 @@ class FederatedConfig:
             "A2_anonymized",
         ]
     )
+    # tier of the contributors past the ``population`` list (a large population with a few A2
+    # uploads: the list, then A1_federated); null: the list repeats
+    population_rest: str | None = None
     entries_per_player: int = 60
     seed: int = 0
     faults: list[str] = field(default_factory=list)  # simulation drills: "<fault>@<partition>.<round>"
@@ -94,6 +118,13 @@ class FederatedConfig:
         for name in ("rounds", "min_participants", "local_steps", "batch_size", "max_length", "a2_k"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"federated.{name}", "must be >= 1")
+        for name in ("exposure_canaries", "exposure_control_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"federated.{name}", "must be >= 0 (0: no canary audit / the run's steps)")
+        if not 1 <= self.exposure_references < 10**6:
+            raise ConfigError(
+                "federated.exposure_references", "must be in [1, 10^6): the secrets' space is 10^6"
+            )
         if not 0 < self.fraction_fit <= 1:
             raise ConfigError("federated.fraction_fit", "must be in (0, 1]")
         if self.clipping_norm <= 0:
@@ -115,14 +146,18 @@ class FederatedConfig:
             self.secagg_threshold > 1
         ) and self.secagg_threshold > self.secagg_shares:
             raise ConfigError("federated.secagg_threshold", "cannot exceed federated.secagg_shares")
-        if self.secure_aggregation and self.contributors + 1 > SECAGG_MAX_NODES:
+        if self.population_size < 0:
+            raise ConfigError("federated.population_size", "must be >= 0 (0: the simulated nodes)")
+        cohort = self.fraction_fit * self.nodes()
+        spread = 4 * (cohort * (1 - self.fraction_fit)) ** 0.5  # Poisson cohorts vary: 4 std
+        if self.secure_aggregation and cohort + spread > SECAGG_MAX_NODES:
             raise ConfigError(
-                "federated.contributors",
-                f"{self.contributors} contributors and the A.2 node make {self.contributors + 1} SecAgg+ "
-                f"nodes; SecAgg+'s masked sum overflows its modulus 2^32 at 1024 (quantisation range 2^22 "
-                f"per node): at most {SECAGG_MAX_NODES} nodes per round",
+                "federated.fraction_fit",
+                f"an expected cohort of {cohort:g} nodes (q={self.fraction_fit:g} of {self.nodes()}) would "
+                f"often pass SecAgg+'s {SECAGG_MAX_NODES} nodes per round (its masked sum overflows its "
+                "modulus 2^32 at 1024, quantisation range 2^22 per node): lower federated.fraction_fit",
             )
-        for tier in self.population:
+        for tier in [*self.population, *([self.population_rest] if self.population_rest else [])]:
             if tier not in TIER_CHOICES:
                 raise ConfigError("federated.population", f"{tier!r} is not one of {', '.join(TIER_CHOICES)}")
         for drill in self.faults:
@@ -154,6 +189,10 @@ class FederatedConfig:
             raise ConfigError(
                 "federated.epsilon_budget", "a budget means nothing with federated.no_privacy=true"
             )
+
+    def nodes(self) -> int:
+        """N: the population the user-level mechanism's fixed denominator q N assumes."""
+        return self.population_size or self.contributors + 1
 
     def drills(self) -> dict[int, dict[int, str]]:
         """{partition: {round: fault}} from ``faults``."""
@@ -192,9 +231,40 @@ class FederatedConfig:
                 raise ConfigError(f"run-config {key}", f"unknown key; known: {', '.join(sorted(fields))}")
             if name in ("population", "faults") and isinstance(value, str):
                 value = json.loads(value)
-            if name in ("register", "adapter_dir") and value == "":
+            if name in ("register", "adapter_dir", "population_rest") and value == "":
                 value = None
             if name == "epsilon_budget" and value == 0:
                 value = None  # run configs have no null: 0 means no budget
             values[name] = value
         return cls(**values)
+
+
+@dataclass
+class PrivacySweepConfig:
+    """The privacy-utility sweep (``python -m pipelines.privacy_sweep``): every (epsilon, N) cell
+    runs the federation's mechanism in the simulator with ``rounds`` rounds and an expected
+    cohort of ``cohort`` nodes (q = cohort / N), z calibrated so the T rounds spend epsilon at
+    ``delta``; epsilon inf is the non-private run (z = 0) on the same N, q and T. The local recipe
+    (C, lr, steps, batch) is the ``federated`` group's."""
+
+    epsilons: list[float] = field(default_factory=lambda: [1.0, 3.0, 8.0, float("inf")])
+    populations: list[int] = field(default_factory=lambda: [1_000, 10_000, 100_000])
+    delta: float = 1.0e-6
+    rounds: int = 20
+    cohort: int = 50  # expected contributors per round, q N (the same for every N)
+    seed: int = 0  # cohorts and noise of every cell of one N: paired comparisons across epsilon
+    evaluate_every: int = 5  # held-out loss every k rounds (and after the last)
+    goal_share: float = 0.9  # of the non-private held-out loss gain
+    goal_cells: list[str] = field(default_factory=lambda: ["8@10000", "3@100000"])  # epsilon@N
+
+    def __post_init__(self) -> None:
+        if not self.epsilons or any(e <= 0 for e in self.epsilons):
+            raise ConfigError("privacy_sweep.epsilons", "a non-empty list of epsilons > 0 (inf: no noise)")
+        if not self.populations or any(n < 2 for n in self.populations):
+            raise ConfigError("privacy_sweep.populations", "a non-empty list of populations >= 2")
+        if self.cohort < 1 or any(self.cohort > n for n in self.populations):
+            raise ConfigError("privacy_sweep.cohort", "must be >= 1 and at most every population")
+        if not 0 < self.delta < 1:
+            raise ConfigError("privacy_sweep.delta", "must be in (0, 1)")
+        if self.rounds < 1:
+            raise ConfigError("privacy_sweep.rounds", "must be >= 1")

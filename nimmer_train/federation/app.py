@@ -66,8 +66,11 @@ def server_app(
     setup_of: Callable[[Context, FederatedConfig], ServerSetup],
     done: Callable[[Context, FederatedConfig, ServerSetup, ServerState], None],
     report_of: Callable[[Context], Report],
+    options_of: Callable[[Context], dict[str, Any]] | None = None,
 ) -> ServerApp:
-    """A ServerApp running :func:`serve`, then ``done`` (publishing) with the final state."""
+    """A ServerApp running :func:`serve`, then ``done`` (publishing) with the final state.
+    ``options_of``: keyword arguments for :func:`serve` (the simulation's node order; a test's
+    seeded generator)."""
     app = ServerApp()
 
     @app.main()
@@ -76,7 +79,8 @@ def server_app(
 
         settings = settings_of(context)
         setup = setup_of(context, settings)
-        state = serve(grid, context, settings, setup, report_of(context))
+        options = options_of(context) if options_of else {}
+        state = serve(grid, context, settings, setup, report_of(context), **options)
         done(context, settings, setup, state)
 
     return app

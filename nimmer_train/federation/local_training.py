@@ -61,6 +61,7 @@ class LocalTrainingConfig:
     grad_sample_mode: str
     seed: int
     public_rate: bool = False  # the A.2 pool: a rate and divisor that do not depend on its size
+    private: bool = True  # local DP-SGD; False: plain local SGD (federated.local_dp=false, A.1 only)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,9 @@ def train_locally(
             f"the adapter at {adapter_dir} ({spec_of(model).digest}) is not the one the server federates "
             f"({spec_digest}): install the release the federation names"
         )
+    if not settings.private:
+        trained, steps = sgd_locally(model, tokenizer, arrays, texts, settings)
+        return LocalResult(trained, min(len(texts), settings.max_examples), steps, 0.0, None)
     set_arrays(model, arrays)
     model.train()
     dp = DPConfig(settings.dp_noise_multiplier, settings.dp_max_grad_norm, settings.grad_sample_mode)
@@ -153,6 +157,34 @@ def train_locally(
     return LocalResult(
         get_arrays(private.model), len(texts), steps, rate, float(accountant.get_epsilon(delta=delta))
     )
+
+
+def sgd_locally(
+    model: PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    arrays: list[np.ndarray],
+    texts: list[str],
+    settings: LocalTrainingConfig,
+) -> tuple[list[np.ndarray], int]:
+    """Plain local SGD from the global ``arrays`` (no record-level noise: the user-level mechanism
+    protects the whole update): ``local_steps`` steps on consecutive batches of ``batch_size`` of
+    the first ``max_examples`` texts, cycling; deterministic given ``settings.seed``. The Flower
+    client and the sweep simulator (:mod:`nimmer_train.federation.simulator`, one loaded model
+    for every contributor) both train with this. Returns (trained arrays, steps)."""
+    set_arrays(model, arrays)
+    model.train()
+    texts = texts[: settings.max_examples]
+    data = encode(tokenizer, texts, settings.max_length)
+    size = min(settings.batch_size, len(texts))
+    torch.manual_seed(settings.seed)  # dropout, if the adapter has any
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=settings.lr)
+    for step in range(settings.local_steps):
+        rows = [(step * size + j) % len(texts) for j in range(size)]
+        ids, labels = data[rows]
+        lm_loss(model, ids, labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return get_arrays(model), settings.local_steps
 
 
 def _saved_epsilon(accountant_file: Path, delta: float) -> float | None:

@@ -9,9 +9,12 @@ Which figures are noised, and by which accounted mechanism:
   (the largest, rounded, at least 0);
 - the A.2 pool's uploads and examples per data category: Gaussian noise of std
   count_noise_multiplier * sqrt(2), one step of the A.2 record-level ledger.
-Exact figures are the settings, the rounds run and released and the node counts of each round
-(sampled, participants, dropped: nodes of every tier, opt-out ones included, so they say nothing
-about anyone's consent or data)."""
+Exact figures are the settings and the rounds run and released. The round records
+(``rounds.json``, the operator's MLflow round metrics) also hold the operator's own observations
+of its nodes: sampled, participants, dropped and reply sizes. They are exact, they stay with the
+operator (no version's manifest or card carries them), and they are not covered by the epsilon:
+a node that refuses a round (consent revoked, opt-out or A.2) shows as a dropout, so the operator
+learns that a pseudonymous node did not train that round, never who plays on it."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Any
 
 from nimmer_train.artifacts import README, atomic_dir, write_json_atomic, write_manifest
 from nimmer_train.config.federated import FederatedConfig
-from nimmer_train.federation.rounds import ServerState, planned_a2
+from nimmer_train.federation.rounds import ServerState, mechanism_of, planned_a2
 from nimmer_train.federation.wire import A1_INDICATOR_SHARE
 from nimmer_train.loras.adapters import METADATA, read_metadata
 from nimmer_train.memory.consent import NEVER_SHARED
@@ -49,9 +52,10 @@ def mechanisms(settings: FederatedConfig, released_rounds: int) -> dict[str, str
     std_count = 1 / A1_INDICATOR_SHARE * s.noise_multiplier
     return {
         "epsilon_a1_user_level": (
-            "user-level (one player's whole contribution): the Gaussian mechanism on the sum of the "
-            "nodes' contributions (adapter update and A.1 indicator, clipped together to L2 norm "
-            f"C = {s.clipping_norm:g}), noise multiplier z = {s.noise_multiplier:g}, nodes "
+            "user-level (one player's whole contribution): DP-FedAvg, the Gaussian mechanism on the sum "
+            "of the nodes' contributions (adapter update and A.1 indicator, clipped together to L2 norm "
+            f"C = {s.clipping_norm:g}), noise multiplier z = {s.noise_multiplier:g}, divided by the fixed "
+            f"expected cohort q N = {s.fraction_fit * s.nodes():g} (N = {s.nodes()}), nodes "
             f"Poisson-sampled at rate q = {s.fraction_fit:g}, one step per released round "
             f"({released_rounds}); it also "
             f"covers the noised A.1 contribution count of each round (std {std_count:.3g}). "
@@ -189,6 +193,39 @@ def render_card(fp: str, register: str, data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+AUDIT_CANARIES = 1000  # canary contributors of the one-run audit
+AUDIT_DIM = 10_000  # dimension of the canaries' random directions
+
+
+def audit_report(settings: FederatedConfig, released_rounds: int) -> dict[str, Any] | None:
+    """The one-run user-level audit (:mod:`nimmer_train.privacy.audit`, Steinke et al. 2023 with
+    Andrew et al.'s random-direction canaries) of the mechanism as released: its empirical epsilon
+    lower bound at 95 % confidence beside the accounted epsilon. None without privacy or rounds."""
+    if settings.no_privacy or released_rounds < 1:
+        return None
+    import dataclasses
+
+    from nimmer_train.privacy import audit
+
+    mechanism = dataclasses.replace(mechanism_of(settings), rounds=released_rounds)
+    # control=True: the same audit at z = 0 says whether this one could have seen a leak at all
+    # (at a small q T few canaries ever take part: the demo's bound is 0 whatever the noise)
+    result = audit.audit_user_level(mechanism, canaries=AUDIT_CANARIES, dim=AUDIT_DIM, control=True)
+    return {
+        "audit_epsilon_lower_bound": result.lower_bound,
+        "audit_control_lower_bound": result.control_lower_bound,
+        "audit_ceiling": result.ceiling,
+        "audit_conclusive": result.conclusive,
+        "theoretical_epsilon": result.theoretical_epsilon,
+        "confidence": result.confidence,
+        "canaries": result.canaries,
+        "guesses": result.guesses,
+        "correct": result.correct,
+        "method": "one-run audit (Steinke, Nasr & Jagielski 2023), random-direction canary contributors "
+        "(Andrew et al. 2024), on the released mechanism's arithmetic (privacy.dp_fedavg)",
+    }
+
+
 def publish_federated(
     out: Path,
     model: Any,
@@ -196,8 +233,10 @@ def publish_federated(
     fp: str,
     settings: FederatedConfig,
     state: ServerState,
+    exposure: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write the aggregated adapter with its records and card; visible only when complete."""
+    """Write the aggregated adapter with its records and card; visible only when complete.
+    ``exposure``: the record-level canary audit (:mod:`nimmer_train.federation.exposure_audit`)."""
     meta = read_metadata(start_adapter)
     data = contributed_data(settings, state)
     a1, a2 = data["tiers"]["A1_federated"], data["tiers"]["A2_anonymized"]
@@ -215,6 +254,11 @@ def publish_federated(
         "counts_noised": settings.noise_multiplier > 0 and settings.count_noise_multiplier > 0,
         "contributors_a1": a1["contributors_noised"],
         "uploads_a2": a2["uploads_noised"] or 0,
+        # the A.1 guarantee's full statement: N, q, expected cohort, z, C, T (released), delta,
+        # accountant, sampling; and the empirical audit's lower bound beside its epsilon
+        "a1_mechanism": {**mechanism_of(settings).describe(), "rounds": data["rounds_completed"]},
+        "audit": audit_report(settings, data["rounds_completed"]),
+        "canary_exposure": exposure,  # beside the A.2 record-level epsilon; None: not run
         "heldout_loss_before": state.initial_loss,
         "heldout_loss_after": next(
             (r["heldout_loss"] for r in reversed(state.records) if "heldout_loss" in r), None

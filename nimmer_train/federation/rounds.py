@@ -13,15 +13,21 @@ adapter) followed by the A.1 indicator (s = C/2 for a real A.1 update, 0 otherwi
 one vector to just under ``C`` (``mods.clip_mod``, ``wire.contribution_bound``) and masked
 (``secaggplus_mod``). SecAgg+ reveals only the sum of the ``n`` nodes' contributions. The
 indicator sum / s is the exact number of real A.1 updates in it, known only to the server: fewer
-than ``min_participants`` and the round releases nothing. Otherwise :class:`NoisyMean` adds
-N(0, (z C)^2) to every coordinate of the sum, indicator included, with a generator seeded from
-the OS's entropy: one Gaussian mechanism with noise multiplier ``z`` on a sum of sensitivity
-``C`` (one node's contribution, whatever its tier), nodes Poisson-sampled at rate q, accounted
-as one A.1 step. The server itself holds the exact sum (it unmasks it to count), so the threshold
-keeps a round out of the outputs, not out of the server's sight. The new global
-adapter is the old one plus the noisy update sum / n (n counts nodes whatever their tier, so it
-says nothing about anyone's data); the noisy indicator sum / s is released as the round's noised
-count of A.1 contributions. Exact counts never leave the server.
+than ``min_participants`` and the round releases nothing and spends nothing. Otherwise
+:class:`NoisyMean` releases DP-FedAvg exactly as accounted (:mod:`nimmer_train.privacy.dp_fedavg`):
+nodes Poisson-sampled at rate q from a population of N, N(0, (z C)^2) added to every coordinate
+of the sum (indicator included) from a generator seeded from the OS's entropy, the noisy sum
+divided by the *expected* cohort q N, a fixed denominator: one Gaussian mechanism of sensitivity
+C / (q N) whoever answered, accounted as one A.1 step at rate q (Opacus RDP). Dropouts cost
+utility, never privacy. The server itself holds the exact sum (it unmasks it to count), so the
+threshold keeps a round out of the outputs, not out of the server's sight. The new global adapter
+is the old one plus the released mean; the noisy indicator sum / s is released as the round's
+noised count of A.1 contributions. Exact counts never leave the server.
+
+Durability: the budget of all T rounds is checked before round 1 (a federation that cannot end
+within its budget never starts). A round's spend is written to the ledger (state.json,
+``pending``) before its release is adopted; a server killed in between finds the pending round
+on restart, keeps it accounted and never re-runs it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -81,6 +86,7 @@ from nimmer_train.memory.consent import NEVER_SHARED
 from nimmer_train.memory.entries import DATA_CATEGORIES
 from nimmer_train.privacy.a2_pool import noised_counts
 from nimmer_train.privacy.accounting import BudgetExceeded, Ledger, Step
+from nimmer_train.privacy.dp_fedavg import Mechanism, entropy_rng, poisson_cohort, release_arrays
 from nimmer_train.privacy.dp_sgd import accounted_rate, public_sample_rate
 
 log = logging.getLogger(__name__)
@@ -94,43 +100,70 @@ class RoundOutcome:
     """What the strategy saw of one round (never an individual update, never an exact count)."""
 
     sampled: int = 0
+    available: int = 0  # nodes the sampling drew from
     participants: int = 0
     accepted: bool = False  # an update was made (it is released only if the budget allows it)
     reason: str = ""
     stop: str | None = None  # a reason to stop the federation (a cohort SecAgg+ cannot sum)
-    update: list[np.ndarray] | None = None  # the noisy update sum / n, float32
+    update: list[np.ndarray] | None = None  # the noisy update sum / (q N), float32
     a1_noised: float | None = None  # the noisy indicator sum / s: noised count of A.1 updates
     a2_steps: list[Step] = field(default_factory=list)  # every A.2 DP-SGD run in the sum
 
 
 class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
     """Flower's client-side-clipping DP wrapper around FedAvg (which builds the fit instructions;
-    the wrapper adds the clipping norm), made robust and exact: nodes are Poisson-sampled at rate
-    q from the OS's entropy (:class:`PoissonSampling`), failures and dropouts do not void the
-    round, the contributions are summed in float64, the release threshold counts real A.1 updates
-    inside the sum, the noise goes on the sum from an OS-entropy generator, the aggregate and the
-    A.2 node's claimed step are checked before use."""
+    the wrapper adds the clipping norm), made exact DP-FedAvg (:mod:`nimmer_train.privacy.dp_fedavg`):
+    nodes are Poisson-sampled at rate q (:class:`PoissonSampling`), failures and dropouts do not
+    void the round, the contributions are summed in float64, the release threshold counts real A.1
+    updates inside the sum, and the noisy sum is divided by the fixed q N (never the survivors),
+    so a dropout costs utility, never privacy. The aggregate and the A.2 node's claimed step are
+    checked before use.
 
-    def __init__(self, settings: FederatedConfig, spec: AdapterSpec, fit_config: dict[str, Any]) -> None:
+    ``rng`` makes the generator of each round's sampling and noise: :func:`entropy_rng` (the OS's
+    entropy) always in production; a test passes a seeded one to compare with the simulator.
+    ``order`` lists the available node ids in population order (the simulation's partitions);
+    by default they are sorted (any fixed order gives the same distribution)."""
+
+    def __init__(
+        self,
+        settings: FederatedConfig,
+        spec: AdapterSpec,
+        fit_config: dict[str, Any],
+        rng: Callable[[], np.random.Generator] = entropy_rng,
+        order: Callable[[list[str]], list[str]] | None = None,
+        released: Callable[[], int] = lambda: 0,
+    ) -> None:
+        mechanism = {  # what a device needs to compute the federation's epsilon (client.A1_MECHANISM)
+            "a1-noise-multiplier": settings.noise_multiplier,
+            "a1-sample-rate": settings.fraction_fit,
+        }
         inner = FedAvg(
             fraction_fit=settings.fraction_fit,
             fraction_evaluate=0.0,
             min_fit_clients=settings.min_participants,
             min_available_clients=settings.min_participants,
-            on_fit_config_fn=lambda server_round: {**fit_config, "round": server_round},
+            on_fit_config_fn=lambda server_round: {
+                **fit_config,
+                **mechanism,
+                "a1-released-rounds": released(),
+                "round": server_round,
+            },
             accept_failures=True,
         )
         super().__init__(inner, settings.noise_multiplier, settings.clipping_norm, settings.min_participants)
         self.settings, self.spec = settings, spec
+        self.mechanism = mechanism_of(settings)
+        self.rng, self.order = rng, order
         self.outcome = RoundOutcome()
 
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, Any]]:
-        chosen = super().configure_fit(
-            server_round, parameters, PoissonSampling(client_manager, self.settings.fraction_fit)
+        sampling = PoissonSampling(client_manager, self.settings.fraction_fit, self.rng(), self.order)
+        chosen = super().configure_fit(server_round, parameters, sampling)
+        self.outcome = RoundOutcome(
+            sampled=len(chosen), available=sampling.available, reason="" if chosen else "no node was sampled"
         )
-        self.outcome = RoundOutcome(sampled=len(chosen), reason="" if chosen else "no node was sampled")
         if self.settings.secure_aggregation and len(chosen) > SECAGG_MAX_NODES:
             self.outcome.reason = self.outcome.stop = (
                 f"SecAgg+ overflow: {len(chosen)} nodes sampled, but SecAgg+'s masked sum overflows its "
@@ -148,7 +181,7 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
         failures: list[Any],
     ) -> tuple[Parameters | None, dict[str, Any]]:
         out = self.outcome
-        out.participants = n = len(results)
+        out.participants = len(results)
         if not results:
             return self._nothing(server_round, "no contribution reached the server")
         *total, indicator_sum = self._sum(results)  # the sums over the n nodes, float64
@@ -170,13 +203,13 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
                 f"fewer real A.1 updates in the sum than federated.min_participants="
                 f"{self.settings.min_participants}",
             )
-        rng = np.random.default_rng()  # seeded from the OS's entropy, never from a configured seed
-        std = self.noise_multiplier * self.clipping_norm
-        out.update = [((t + rng.normal(0.0, std, t.shape)) / n).astype(np.float32) for t in total]
-        out.a1_noised = (indicator + float(rng.normal(0.0, std))) / s
+        # (sum + N(0, (z C)^2)) / (q N) on every coordinate, the indicator included: dp_fedavg.release
+        *update, a1_mean = release_arrays([*total, indicator_sum], self.mechanism, self.rng())
+        out.update = [u.astype(np.float32) for u in update]
+        out.a1_noised = float(a1_mean.reshape(-1)[0]) * self.mechanism.expected_cohort / s
         out.a2_steps = [a2] * len(claims)  # every A.2 run in the sum, each the configured step
         out.accepted = True
-        return ndarrays_to_parameters(out.update), {}  # the workflow's copy is unused: see _run_round
+        return None, {}  # the update is adopted by _run_round after the write-ahead ledger
 
     def _sum(self, results: list[tuple[ClientProxy, FitRes]]) -> list[np.ndarray]:
         """The sum of the n contributions, float64. Under SecAgg+ every result carries the same
@@ -198,6 +231,18 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
         return None, {}
 
 
+def mechanism_of(settings: FederatedConfig) -> Mechanism:
+    """The user-level (A.1) mechanism these settings run: N, q, z, C, T, delta."""
+    return Mechanism(
+        population=settings.nodes(),
+        sample_rate=settings.fraction_fit,
+        noise_multiplier=settings.noise_multiplier,
+        clip=settings.clipping_norm,
+        rounds=settings.rounds,
+        delta=settings.delta,
+    )
+
+
 def _a2_claim(metrics: dict[str, Any]) -> Step | None:
     """The A.2 step a reply claims, None when malformed (a value that is not a finite number)."""
     try:
@@ -211,22 +256,30 @@ def _a2_claim(metrics: dict[str, Any]) -> Step | None:
 
 class PoissonSampling:
     """The client manager as FedAvg's ``configure_fit`` sees it: ``sample`` takes every available
-    node independently with probability q (``fraction_fit``), drawn from the OS's entropy. That is
-    the sampling the A.1 accountant's Poisson rate q assumes; FedAvg's own draw would take
-    max(int(q N), min_fit_clients) nodes (more than q N when min_participants is larger: 3 of 7
-    at q = 0.2), from Python's global generator, which any code may seed."""
+    node independently with probability q (``fraction_fit``), by :func:`dp_fedavg.poisson_cohort`
+    over the nodes in population order. That is the sampling the A.1 accountant's Poisson rate q
+    assumes; FedAvg's own draw would take max(int(q N), min_fit_clients) nodes from Python's
+    global generator, which any code may seed."""
 
-    def __init__(self, manager: ClientManager, rate: float) -> None:
-        self._manager, self.rate = manager, rate
+    def __init__(
+        self,
+        manager: ClientManager,
+        rate: float,
+        rng: np.random.Generator,
+        order: Callable[[list[str]], list[str]] | None = None,
+    ) -> None:
+        self._manager, self.rate, self.rng, self.order = manager, rate, rng, order
+        self.available = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)
 
     def sample(self, num_clients: int, min_num_clients: int | None = None, criterion: Any = None) -> list:
         self._manager.wait_for(min_num_clients or num_clients)
-        draw = random.SystemRandom()
         available = self._manager.all()
-        return [available[cid] for cid in sorted(available) if draw.random() < self.rate]
+        ids = self.order(list(available)) if self.order else sorted(available)
+        self.available = len(ids)
+        return [available[ids[i]] for i in poisson_cohort(len(ids), self.rate, self.rng)]
 
 
 class ScreeningGrid:
@@ -296,6 +349,7 @@ class ServerState:
     ledger: dict[str, Any] = field(default_factory=dict)
     # the A.2 pool's noised counts, released once when the rounds end (None: not yet)
     pool_counts: dict[str, Any] | None = None
+    pending: int | None = None  # a round accounted in the ledger whose release was not yet adopted
 
     @classmethod
     def load(cls, work: Path) -> ServerState:
@@ -369,6 +423,7 @@ def fit_config(settings: FederatedConfig, spec: AdapterSpec) -> dict[str, Any]:
         "lr",
         "max_length",
         "max_examples",
+        "local_dp",
         "dp_noise_multiplier",
         "dp_max_grad_norm",
         "grad_sample_mode",
@@ -403,19 +458,30 @@ def count_step(settings: FederatedConfig) -> Step:
 
 
 def serve(
-    grid: Grid, context: Context, settings: FederatedConfig, setup: ServerSetup, report: Report
+    grid: Grid,
+    context: Context,
+    settings: FederatedConfig,
+    setup: ServerSetup,
+    report: Report,
+    rng: Callable[[], np.random.Generator] = entropy_rng,
+    order: Callable[[list[str]], list[str]] | None = None,
 ) -> ServerState:
     """Run the remaining rounds, then release the A.2 pool's noised counts; returns the final
-    state (also on disk). A federation that stopped (budget, overflow) is not resumed."""
+    state (also on disk). A federation that stopped (budget, overflow) is not resumed; one whose
+    configuration cannot stay within its budget raises BudgetExceeded before round 1.
+    ``rng`` and ``order``: see :class:`NoisyMean` (tests only; production uses the OS's entropy)."""
     setup.work.mkdir(parents=True, exist_ok=True)
     state = ServerState.load(setup.work)
     ledger = _ledger(state, settings)
-    arrays = _start_arrays(state, setup, report)
     if state.stopped not in (None, "completed"):
         log.warning("the federation stopped earlier and is not resumed: %s", state.stopped)
+        arrays = _start_arrays(state, setup, report)
     else:
+        _settle_pending(state, ledger, settings, setup)
+        require_budget(settings, ledger, state, setup.a2_pool is not None)
+        arrays = _start_arrays(state, setup, report)
         state.stopped = None
-        arrays = _rounds(grid, context, settings, setup, ledger, state, arrays, report)
+        arrays = _rounds(grid, context, settings, setup, ledger, state, arrays, report, rng, order)
         state.stopped = state.stopped or "completed"
     _release_pool_counts(state, ledger, settings, setup)
     state.ledger = asdict(ledger)
@@ -433,10 +499,13 @@ def _rounds(
     state: ServerState,
     arrays: list[np.ndarray],
     report: Report,
+    rng: Callable[[], np.random.Generator] = entropy_rng,
+    order: Callable[[list[str]], list[str]] | None = None,
 ) -> list[np.ndarray]:
     """The rounds after ``state.round``; ``state.stopped`` says why they ended early, if they did."""
     spec = spec_of(setup.model)
-    strategy = NoisyMean(settings, spec, fit_config(settings, spec))
+    released = lambda: sum(steps for _, _, steps in ledger.a1)  # noqa: E731 - rounds released so far
+    strategy = NoisyMean(settings, spec, fit_config(settings, spec), rng, order, released)
     legacy = LegacyContext(
         context=context,
         config=ServerConfig(num_rounds=settings.rounds, round_timeout=settings.round_timeout),
@@ -454,7 +523,9 @@ def _rounds(
             if over_budget:
                 state.stopped = over_budget
                 break
-            arrays, record, stopping = _run_round(loop, server_round, a1_step, arrays, _reserve(loop, state))
+            arrays, record, stopping = _run_round(
+                loop, server_round, a1_step, arrays, _reserve(loop, state), state
+            )
             _checkpoint(state, loop, record, arrays, stopping)
             report(record)
             log.info("round %d: %s", server_round, _summary(record))
@@ -487,6 +558,43 @@ def _ledger(state: ServerState, settings: FederatedConfig) -> Ledger:
     if state.ledger:
         return Ledger.from_dict(state.ledger, settings.delta, settings.epsilon_budget)
     return Ledger(settings.delta, settings.epsilon_budget)
+
+
+def require_budget(settings: FederatedConfig, ledger: Ledger, state: ServerState, pool: bool) -> None:
+    """BudgetExceeded, naming the epsilon it would spend, when the configured rounds cannot all
+    be released within ``epsilon_budget``: the user-level ledger after every remaining round, and
+    the record-level one with one A.2 run per remaining round (and the pool counts' release)."""
+    if settings.epsilon_budget is None:
+        return
+    remaining = max(0, settings.rounds - state.round)
+    mechanism_of(settings).require(settings.epsilon_budget)  # names N, q, z of a hopeless config
+    a1: Step | None = (settings.noise_multiplier, settings.fraction_fit, remaining) if remaining else None
+    z, rate, steps = planned_a2(settings)
+    a2 = [(z, rate, steps * remaining)] if remaining else []
+    reserve = [count_step(settings)] if pool and state.pool_counts is None else []
+    ledger.plan(a1, [*a2, *reserve], what=f"the {remaining} remaining rounds of this federation")
+
+
+def _settle_pending(
+    state: ServerState, ledger: Ledger, settings: FederatedConfig, setup: ServerSetup
+) -> None:
+    """A round accounted before its release but killed before its arrays were adopted: its
+    spend stays in the ledger, it is recorded as not released, and it is never run again."""
+    if state.pending is None or state.pending <= state.round:
+        state.pending = None
+        return
+    record = {
+        "round": state.pending,
+        "accepted": False,
+        "reason": "accounted, then the server stopped before adopting the release: not re-run",
+        **mechanism_of(settings).describe(),
+    }
+    log.warning("round %d: %s", state.pending, record["reason"])
+    arrays = state.arrays(setup.work) or get_arrays(setup.model)  # the last adopted round's
+    state.round, state.pending = record["round"], None
+    state.records.append(record)
+    state.ledger = asdict(ledger)
+    state.save(setup.work, arrays)
 
 
 def _start_arrays(state: ServerState, setup: ServerSetup, report: Report) -> list[np.ndarray]:
@@ -544,21 +652,29 @@ def _plan_budget(loop: _RoundLoop, a1_step: Step, state: ServerState) -> str | N
 
 
 def _run_round(
-    loop: _RoundLoop, server_round: int, a1_step: Step, arrays: list[np.ndarray], reserve: list[Step]
+    loop: _RoundLoop,
+    server_round: int,
+    a1_step: Step,
+    arrays: list[np.ndarray],
+    reserve: list[Step],
+    state: ServerState | None = None,
 ) -> tuple[list[np.ndarray], dict[str, Any], str | None]:
     """One fit round from ``arrays``: the new global arrays (the same ones when the round
     releases nothing), the round's record, and a reason to stop the federation (or None).
 
     The round's actual steps (A.1, every A.2 node's, and ``reserve``) are checked against the
     budget before anything is released: over it, the round is discarded (no arrays adopted,
-    nothing accounted) and the federation stops."""
+    nothing accounted) and the federation stops. Within it, the spend is accounted and written
+    (``state.pending``) before the released mean is adopted."""
     settings = loop.settings
     started = time.monotonic()
     screen = _fit_round(loop, server_round, arrays)
     out = loop.strategy.outcome
+    mechanism = mechanism_of(settings)
     record: dict[str, Any] = {
         "round": server_round,
         "sampled": out.sampled,
+        "available": out.available,
         "participants": out.participants,
         "dropped": out.sampled - out.participants - len(screen.rejected),  # failed or timed out
         "rejected": screen.rejected,
@@ -566,6 +682,7 @@ def _run_round(
         "update_bytes": loop.spec.nbytes,
         "accepted": False,
         "reason": out.reason,
+        **mechanism.describe(),  # N, q, expected cohort, z, C, T, delta, noise std, accountant, sampling
     }
     stopping = out.stop
     if out.accepted and out.update is not None:
@@ -576,8 +693,11 @@ def _run_round(
             stopping = f"budget: {exc}"
             log.warning("round %d is discarded: %s", server_round, exc)
         else:
-            arrays = [g + u for g, u in zip(arrays, out.update, strict=True)]
             epsilons = loop.ledger.record(a1_step, out.a2_steps)
+            if state is not None:  # write-ahead: the spend is on disk before the release is adopted
+                state.pending, state.ledger = server_round, asdict(loop.ledger)
+                write_json_atomic(loop.setup.work / STATE_FILE, asdict(state))
+            arrays = [g + u for g, u in zip(arrays, out.update, strict=True)]
             record.update(
                 {
                     k: (None if settings.no_privacy else v)
@@ -585,7 +705,6 @@ def _run_round(
                     if k.startswith("epsilon")
                 },
                 accepted=True,
-                noise_std=settings.noise_multiplier * settings.clipping_norm / out.participants,
                 a1_contributions_noised=out.a1_noised,
                 heldout_loss=_evaluate(loop.setup, arrays),
             )
@@ -637,6 +756,7 @@ def _checkpoint(
     """The completed round into the state (record, ledger, why it stops), saved with its arrays."""
     state.stopped = stopping
     state.round = record["round"]
+    state.pending = None
     state.records.append(record)
     state.ledger = asdict(loop.ledger)
     state.save(loop.setup.work, arrays)

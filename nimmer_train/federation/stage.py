@@ -26,13 +26,14 @@ from nimmer_train.artifacts import MANIFEST, fingerprint, intact_manifest, read_
 from nimmer_train.config import Config
 from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.errors import NimmerError
-from nimmer_train.federation import client, local_training, mods, results, rounds, wire
+from nimmer_train.federation import client, exposure_audit, local_training, mods, results, rounds, wire
 from nimmer_train.federation.app import client_app, server_app
 from nimmer_train.federation.client import Node
 from nimmer_train.federation.population import build_population, deliver_uploads
 from nimmer_train.federation.rounds import ServerSetup, ServerState
 from nimmer_train.loras.adapters import read_metadata
 from nimmer_train.loras.stage import LoraResult
+from nimmer_train.privacy.accounting import Ledger
 
 log = logging.getLogger(__name__)
 FED_VERSION = 1
@@ -110,7 +111,7 @@ def plan_federation(cfg: Config, loras: LoraResult | None = None) -> FederationP
         {
             "version": FED_VERSION,
             "code": source_fingerprint(
-                client, local_training, mods, results, rounds, wire, sys.modules[__name__]
+                client, exposure_audit, local_training, mods, results, rounds, wire, sys.modules[__name__]
             ),
             "adapter": read_manifest(adapter_dir)["fingerprint"],
             "settings": settings,
@@ -129,12 +130,12 @@ def federate_stage(
         print(f"federated adapter: {p.out} (up to date)")
         meta = read_metadata(p.out)
         return FederationResult(p.out, meta, _records(p.out), p.folder)
-    pool = p.folder / "server" / "a2_pool.sqlite"
-    nodes = _nodes(p, cfg.federated, pool)
+    rounds.require_budget(cfg.federated, _ledger_of(p, cfg.federated), _state_of(p), True)  # before any work
     run_file = p.folder / "server" / "mlflow_run_id"
     resume = run_file.read_text().strip() if run_file.exists() else None
     with tracking.stage_run(cfg, pipeline, "federate", resume_run_id=resume) as run_id:
         if run_id:
+            run_file.parent.mkdir(parents=True, exist_ok=True)
             run_file.write_text(run_id)
             mlflow.set_tags(
                 {
@@ -144,57 +145,103 @@ def federate_stage(
                 }
             )
         logger = tracking.metric_logger(run_id, cfg.tracking.tracking_uri() if run_id else None)
-        published: dict[str, Any] = {}
-        sapp, capp = _apps(p, cfg.federated, pool, nodes, logger, published)
         started = time.monotonic()
-        _simulate(sapp, capp, len(nodes))
-        if not published:
-            raise NimmerError("the federation ended without publishing; see the log above")
+        published = run_federation(p, cfg.federated, lambda r: logger(_round_metrics(r), int(r["round"])))
         if run_id:
             _log_federation(published["federation"], p.out, time.monotonic() - started)
     _print_outcome(p.out, published["federation"], cfg.federated.delta)
     return FederationResult(p.out, published, _records(p.out), p.folder)
 
 
-def _nodes(p: FederationPlan, s: FederatedConfig, pool: Path) -> list[Node]:
-    """The simulated players' devices (their uploads delivered to the A.2 pool) as nodes, and the
-    server-operated A.2 client last."""
-    from nimmer_train.memory.embedding import SentenceEmbedder
-
-    population = build_population(p.folder / "devices", s, SentenceEmbedder())
-    deliver_uploads(population, pool, s.a2_k)
-    nodes = [Node(p.base_dir, p.adapter_dir, device=d) for d in population.devices]
-    nodes.append(Node(p.base_dir, p.adapter_dir, a2_pool=pool))  # the server-operated A.2 client
-    return nodes
+def _state_of(p: FederationPlan) -> ServerState:
+    return ServerState.load(p.state_file.parent)
 
 
-def _apps(
+def _ledger_of(p: FederationPlan, s: FederatedConfig) -> Ledger:
+    state = _state_of(p)
+    return Ledger.from_dict(state.ledger, s.delta, None) if state.ledger else Ledger(s.delta)
+
+
+def run_federation(
     p: FederationPlan,
     s: FederatedConfig,
-    pool: Path,
-    nodes: list[Node],
-    logger: tracking.MetricLogger,
-    published: dict[str, Any],
-) -> tuple[Any, Any]:
-    """The Flower server and client apps; the server reports each round to ``logger`` and fills
-    ``published`` with the federated adapter's metadata when it is done."""
-    work = p.state_file.parent
+    report: rounds.Report,
+    embedder: Any = None,
+    serve_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The federation of plan ``p`` on Flower's simulation engine: ``s.contributors`` virtual
+    players (each built when first sampled) and the server-operated A.2 node, one SuperNode each;
+    returns the published adapter's metadata. ``serve_options`` go to :func:`rounds.serve`
+    (tests: a seeded ``rng``); the nodes are sampled in the simulation's partition order."""
+    from nimmer_train.memory.embedding import SentenceEmbedder
 
-    def report(record: dict[str, Any]) -> None:
-        logger(_round_metrics(record), int(record["round"]))
+    pool = p.folder / "server" / "a2_pool.sqlite"
+    pool.parent.mkdir(parents=True, exist_ok=True)
+    population = build_population(p.folder / "devices", s, embedder or SentenceEmbedder())
+    deliver_uploads(population, pool, s.a2_k)
+    a2_node = Node(p.base_dir, p.adapter_dir, a2_pool=pool)  # the server-operated A.2 client, last
+
+    def node_at(partition: int) -> Node:
+        if partition == population.size:
+            return a2_node
+        return Node(p.base_dir, p.adapter_dir, device=population.device(partition))
+
+    partitions: dict[int, int] = {}  # node id -> partition, as the engine registers them
+    published: dict[str, Any] = {}
+    work = p.state_file.parent
 
     def setup_of(_: Any, settings_: Any) -> ServerSetup:
         return rounds.make_setup(p.base_dir, p.adapter_dir, work, s, pool)
 
     def done(_: Any, settings_: Any, setup: ServerSetup, state: ServerState) -> None:
+        exposure = record_level_audit(p, s, state, pool)
         published.update(
-            results.publish_federated(p.out, setup.model, p.adapter_dir, p.fingerprint, s, state)
+            results.publish_federated(
+                p.out, setup.model, p.adapter_dir, p.fingerprint, s, state, exposure=exposure
+            )
         )
 
-    sapp = server_app(lambda _: s, setup_of, done, lambda _: report)
-    drills = _drills(s)
-    capp = client_app(lambda ctx: nodes[int(ctx.node_config["partition-id"])], s.secure_aggregation, drills)
-    return sapp, capp
+    options = {"order": partition_order(partitions), **(serve_options or {})}
+    sapp = server_app(lambda _: s, setup_of, done, lambda _: report, lambda _: options)
+    capp = client_app(
+        lambda ctx: node_at(int(ctx.node_config["partition-id"])), s.secure_aggregation, _drills(s)
+    )
+    simulate(sapp, capp, population.size + 1, partitions)
+    if not published:
+        raise NimmerError("the federation ended without publishing; see the log above")
+    return published
+
+
+def record_level_audit(
+    p: FederationPlan, s: FederatedConfig, state: ServerState, pool: Path
+) -> dict[str, Any] | None:
+    """The privacy report's record-level side, beside the user-level audit: canary exposure of
+    the A.2 node's DP-SGD recipe on public stand-in lines over the released rounds, and of a non-DP control
+    (:func:`exposure_audit.federation_exposure`)."""
+    ledger = Ledger.from_dict(state.ledger, s.delta, None) if state.ledger else Ledger(s.delta)
+    released = sum(1 for r in state.records if r.get("accepted"))
+    a2_runs = len(ledger.a2) - len(ledger.releases)  # the pool counts' release is no A.2 run
+    report = exposure_audit.federation_exposure(p.base_dir, p.adapter_dir, pool, s, released, a2_runs)
+    if report is not None:
+        log.info(
+            "canary exposure (A.2, %d refs): DP %.2f bits (<= 4x), control %.2f bits, %.1f s",
+            report["references"], report["dp_mean_exposure_up_to_4x"],
+            report["control_mean_exposure_up_to_4x"], report["seconds"],
+        )  # fmt: skip
+    return report
+
+
+def partition_order(partitions: dict[int, int]) -> Any:
+    """The available node ids in partition order (population order in a simulation)."""
+
+    def order(ids: list[str]) -> list[str]:
+        for _ in range(600):  # the engine maps every node as it registers them: a brief wait at most
+            if all(int(i) in partitions for i in ids):
+                break
+            time.sleep(0.05)
+        return sorted(ids, key=lambda i: (partitions.get(int(i), len(partitions)), i))
+
+    return order
 
 
 def _round_metrics(record: dict[str, Any]) -> dict[str, float]:
@@ -215,6 +262,10 @@ def _log_federation(fed: dict[str, Any], out: Path, seconds: float) -> None:
         "contributors_a1_noised": fed["contributors_a1"],
         "uploads_a2_noised": fed["uploads_a2"],
         "federation_seconds": seconds,
+        **{
+            f"canary_exposure_{k}": (fed.get("canary_exposure") or {}).get(k)
+            for k in ("dp_mean_exposure_up_to_4x", "control_mean_exposure_up_to_4x", "seconds")
+        },
     }
     mlflow.log_metrics({k: float(v) for k, v in figures.items() if v is not None})
     mlflow.set_tags({"federated_adapter": str(out), "stopped": str(fed["stopped"])})
@@ -252,24 +303,56 @@ def _drills(s: Any) -> Any:
     return drills
 
 
-def _simulate(sapp: Any, capp: Any, nodes: int) -> None:
-    """Flower's simulation engine (Ray), one CPU per virtual node, quiet unless something fails."""
+def quiet_flower_logging() -> None:
+    """One line per Flower event, at INFO: Flower's logger (DEBUG, with its own console handler)
+    also propagates to the job's handlers, which printed every line twice and the per-node DEBUG
+    lines. Where the job has handlers (Hydra's console and log file) Flower's own goes."""
+    flower = logging.getLogger("flwr")
+    flower.setLevel(logging.INFO)
+    if logging.getLogger().handlers:
+        for handler in list(flower.handlers):
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                flower.removeHandler(handler)
+
+
+def simulate(sapp: Any, capp: Any, nodes: int, partitions: dict[int, int] | None = None) -> None:
+    """Flower's simulation engine (Ray), one CPU per virtual node, quiet unless something fails.
+    ``partitions`` receives the engine's node id -> partition mapping as it registers the nodes
+    (the engine keeps it private: its registration function is wrapped for the run)."""
     import warnings
 
+    from flwr.server.superlink.fleet.vce import vce_api
     from flwr.simulation import run_simulation
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no calls out of the machine
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     cpus = os.cpu_count() or 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        run_simulation(
-            server_app=sapp,
-            client_app=capp,
-            num_supernodes=nodes,
-            backend_config={
-                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                "init_args": {"num_cpus": min(cpus, 4), "include_dashboard": False, "logging_level": "ERROR"},
-            },
-        )
+    register = vce_api._register_nodes
+
+    def registering(num_nodes: int, state_factory: Any) -> dict[int, int]:
+        mapping = register(num_nodes, state_factory)
+        if partitions is not None:
+            partitions.update(mapping)
+        return mapping
+
+    vce_api._register_nodes = registering
+    quiet_flower_logging()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            run_simulation(
+                server_app=sapp,
+                client_app=capp,
+                num_supernodes=nodes,
+                backend_config={
+                    "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                    "init_args": {
+                        "num_cpus": min(cpus, 4),
+                        "include_dashboard": False,
+                        "logging_level": "ERROR",
+                    },
+                },
+            )
+    finally:
+        vce_api._register_nodes = register

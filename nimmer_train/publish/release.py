@@ -334,6 +334,17 @@ def _version_manifest(
             "counts_noised": bool(fed.get("counts_noised")),
             "contributors_a1": fed.get("contributors_a1", 0),
             "uploads_a2": fed.get("uploads_a2", 0),
+            # the privacy report (issue 14): each guarantee's level, the A.1 mechanism in full (N, q,
+            # expected cohort, z, C, T, delta, accountant, sampling) and the empirical audit beside it
+            "guarantees": {
+                "A1_federated": "user-level" if fed else None,
+                "A2_anonymized": "record-level" if fed else None,
+            },
+            "a1_mechanism": fed.get("a1_mechanism"),
+            "audit_epsilon_lower_bound": (fed.get("audit") or {}).get("audit_epsilon_lower_bound"),
+            "audit": fed.get("audit"),
+            # the record-level audit beside the A.2 epsilon: Secret-Sharer canary exposure, DP vs control
+            "canary_exposure": fed.get("canary_exposure"),
         },
         "parent_version": parent.label if parent else None,
         "merged_adapter": _merged_adapter(req, merged_meta),

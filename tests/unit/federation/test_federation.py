@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 
 from nimmer_train.artifacts import verify_manifest
+from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.federation.client import DEVICE_ACCOUNTANT, device_examples
+from nimmer_train.federation.population import build_population
 from nimmer_train.federation.wire import AdapterSpec, check_update
 from nimmer_train.loras.adapters import load_adapter, read_metadata
 from nimmer_train.memory.consent import PROFILE_FILE
+from nimmer_train.memory.embedding import NoEmbedder
 from nimmer_train.privacy.a2_pool import pool_summary
 from tests.helpers.outputs import only as _only
 from tests.helpers.outputs import rdp_epsilon as _rdp
@@ -47,7 +50,10 @@ def test_federation_improves_the_adapter_and_accounts_privacy(tiny_run: Path) ->
     assert fed["heldout_loss_after"] < fed["heldout_loss_before"]
     # only the LoRA tensors (+ the A.1 indicator) cross the wire, masked: 8 bytes per coordinate
     for r in records:
-        assert len(r["bytes_per_client"]) == r["participants"] == 7
+        # seven nodes sampled (q = 1); the opt-out and A.2 devices refuse (issue 23): they drop out,
+        # the three A.1 devices and the A.2 pool's node answer; the denominator stays q N = 7
+        assert r["sampled"] == 7 and r["dropped"] == 3 and r["expected_cohort"] == 7
+        assert len(r["bytes_per_client"]) == r["participants"] == 4
         coordinates = r["update_bytes"] // 4
         assert all(8 * coordinates <= b <= 8 * coordinates + 4096 for b in r["bytes_per_client"])
         # no exact count of anyone's data: the A.1 count is the mechanism's noised one (std 2z = 0.02)
@@ -61,6 +67,13 @@ def test_federation_improves_the_adapter_and_accounts_privacy(tiny_run: Path) ->
     assert fed["epsilon_a2_record_level"] == pytest.approx(
         _rdp([(1.0, 1 / 16)] * 12 + [(5.0, 1.0)]), rel=1e-9
     )
+    # the privacy report: the A.1 mechanism in full (fixed denominator q N = 7 nodes) and the audit
+    mechanism = fed["a1_mechanism"]
+    assert mechanism["population"] == 7 and mechanism["expected_cohort"] == 7 and mechanism["rounds"] == 2
+    assert mechanism["accountant"] == "opacus.rdp" and mechanism["sampling"] == "poisson"
+    audit = fed["audit"]
+    assert 0 <= audit["audit_epsilon_lower_bound"] <= audit["theoretical_epsilon"]
+    assert audit["theoretical_epsilon"] == pytest.approx(fed["epsilon_a1_user_level"], rel=1e-9)
     # counts are noised estimates: A.1 from the per-round noised counts, A.2 uploads std 5 * sqrt(2)
     assert fed["counts_noised"] and fed["contributors_a1"] == 3
     assert isinstance(fed["uploads_a2"], int) and fed["uploads_a2"] >= 0
@@ -102,8 +115,10 @@ def test_planted_player_ids_never_reach_the_server_side(tiny_run: Path) -> None:
 
 def test_opted_out_devices_share_nothing(tiny_run: Path) -> None:
     _, federation = _federation(tiny_run)
-    population = json.loads((federation / "devices/.population.json").read_text())
-    for name, tier in zip(population["devices"], population["tiers"], strict=True):
+    population = build_population(federation / "devices", FederatedConfig(), NoEmbedder())  # ci_tiny's
+    assert population.built() == list(range(6))  # q = 1: every device was sampled, hence built
+    for i, tier in enumerate(population.tiers):
+        name = population.path(i).name
         texts, contributor = device_examples(federation / "devices" / name)
         if tier == "A1_federated":
             assert contributor and all("[player]" in t or ":" in t for t in texts)

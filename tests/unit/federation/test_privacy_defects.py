@@ -39,7 +39,7 @@ from nimmer_train.config.federated import (
     SECAGG_QUANTIZATION_RANGE,
     FederatedConfig,
 )
-from nimmer_train.errors import ConfigError
+from nimmer_train.errors import ConfigError, NimmerError
 from nimmer_train.federation import results, rounds
 from nimmer_train.federation.app import client_app
 from nimmer_train.federation.client import Node, device_examples, example_text
@@ -103,8 +103,8 @@ def test_a_nodes_reply_says_nothing_in_plaintext_about_who_or_how_much(
     release: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """Items 1 and 4: no contributor id, no tier, no example count leave a node beside its vector;
-    the vector is the update followed by the A.1 indicator (s for a real A.1 update, 0 for an
-    opt-out device), clipped as one under C."""
+    the vector is the update followed by the A.1 indicator (s for a real A.1 update), clipped as
+    one under C; an opt-out device refuses the round and sends nothing."""
     base, adapter = release
     settings = FederatedConfig(
         contributors=2,
@@ -121,6 +121,10 @@ def test_a_nodes_reply_says_nothing_in_plaintext_about_who_or_how_much(
         texts, contributor = device_examples(device)
         app = client_app(lambda _ctx, d=device: Node(base, adapter, device=d), secure_aggregation=False)
         context = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+        if tier != "A1_federated":  # an opt-out device refuses the round: it sends nothing at all
+            with pytest.raises(NimmerError, match="takes no part"):
+                app(_train_message(settings, arrays, spec), context)
+            continue
         reply = app(_train_message(settings, arrays, spec), context)
         assert not reply.has_error(), reply.error
         res = compat.recorddict_to_fitres(reply.content, keep_input=True)
@@ -134,8 +138,6 @@ def test_a_nodes_reply_says_nothing_in_plaintext_about_who_or_how_much(
             assert indicator.tolist() == [s]
             assert any(np.abs(u).max() > 0 for u in update)
             assert not any(contributor in v for v in _strings(reply.content))
-        else:
-            assert indicator.tolist() == [0.0] and all(not u.any() for u in update)
 
 
 def _results(a1: int, others: int, settings: FederatedConfig, a2: list[tuple] = ()) -> list[tuple]:
@@ -172,8 +174,8 @@ def test_a_round_with_fewer_real_a1_updates_than_the_threshold_releases_nothing(
         SPEC,
         rounds.fit_config(settings, SPEC),
     )
-    released, _ = strategy.aggregate_fit(1, _results(a1=3, others=2, settings=settings), [])
-    assert released is not None and strategy.outcome.update is not None
+    strategy.aggregate_fit(1, _results(a1=3, others=2, settings=settings), [])
+    assert strategy.outcome.accepted and strategy.outcome.update is not None
     assert strategy.outcome.a1_noised == pytest.approx(3, abs=0.2)  # noise std 2 z = 0.02
 
 
@@ -360,9 +362,13 @@ def test_secagg_overflow_is_refused_before_it_happens() -> None:
     refused with the bound named."""
     assert (SECAGG_MAX_NODES + 1) * SECAGG_QUANTIZATION_RANGE % SECAGG_MODULUS_RANGE == 0
     assert SECAGG_MAX_NODES * SECAGG_QUANTIZATION_RANGE < SECAGG_MODULUS_RANGE
-    FederatedConfig(contributors=SECAGG_MAX_NODES - 1)  # with the A.2 node: 1023 nodes
-    with pytest.raises(ConfigError, match="overflows.*at most 1023 nodes"):
+    FederatedConfig(contributors=SECAGG_MAX_NODES - 1)  # with the A.2 node: 1023 nodes, all sampled
+    with pytest.raises(ConfigError, match="1023 nodes per round.*overflows"):
         FederatedConfig(contributors=SECAGG_MAX_NODES)
+    # Poisson cohorts vary: an expected 1000 of 100,000 may pass 1023; 500 of them stays clear
+    with pytest.raises(ConfigError, match="expected cohort of 1000"):
+        FederatedConfig(contributors=99_999, fraction_fit=0.01)
+    FederatedConfig(contributors=99_999, fraction_fit=0.005)
     FederatedConfig(contributors=SECAGG_MAX_NODES, secure_aggregation=False)  # no SecAgg+: no bound
 
     class Proxy(ClientProxy):

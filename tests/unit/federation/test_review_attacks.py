@@ -166,8 +166,8 @@ def test_a_node_cannot_claim_an_a2_step_other_than_the_configured_one(claim: tup
     # the A.2 node's own claim is the configured step, and it is accounted
     honest = _fit_res(parameters_of(forged), dict(zip(A2_METRICS, rounds.planned_a2(settings), strict=True)))
     strategy = rounds.NoisyMean(settings, SPEC, rounds.fit_config(settings, SPEC))
-    released, _ = strategy.aggregate_fit(1, [*_a1_results(settings, 3), honest], [])
-    assert released is not None and strategy.outcome.a2_steps == [rounds.planned_a2(settings)]
+    strategy.aggregate_fit(1, [*_a1_results(settings, 3), honest], [])
+    assert strategy.outcome.accepted and strategy.outcome.a2_steps == [rounds.planned_a2(settings)]
     assert Ledger(settings.delta).after(None, strategy.outcome.a2_steps)["a2_record_level"] > 0
 
 
@@ -231,7 +231,8 @@ def test_one_contribution_moves_the_plain_sum_by_at_most_c() -> None:
 
 def test_the_noise_on_the_sum_has_std_z_c_on_every_coordinate_and_the_indicator() -> None:
     """Zero updates from three A.1 nodes: what the server releases is the noise alone. Its std on
-    the sum (update times n, indicator sum) is z C, as the A.1 step accounts; the mean's is z C / n."""
+    the sum (the mean times the fixed q N, indicator sum) is z C, as the A.1 step accounts; the
+    mean's is z C / (q N), however many nodes answered (here 3 of q N = 7)."""
     settings = FederatedConfig(
         min_participants=3, secure_aggregation=False, noise_multiplier=0.7, clipping_norm=3.0
     )
@@ -243,7 +244,8 @@ def test_the_noise_on_the_sum_has_std_z_c_on_every_coordinate_and_the_indicator(
         strategy.aggregate_fit(1, zeros, [])
         update, a1 = strategy.outcome.update, strategy.outcome.a1_noised
         assert update is not None and a1 is not None
-        sums.append(np.concatenate([u.ravel() for u in update]) * 3)
+        assert strategy.mechanism.expected_cohort == 7
+        sums.append(np.concatenate([u.ravel() for u in update]) * 7)
         indicators.append(a1 * s - 3 * s)
     expected = settings.noise_multiplier * settings.clipping_norm
     assert np.std(sums) == pytest.approx(expected, rel=0.03) and abs(np.mean(sums)) < 0.1  # 5 sd

@@ -55,7 +55,7 @@ def _demo_ledger(settings: FederatedConfig, rounds: int) -> Ledger:
         FederatedConfig(),
         FederatedConfig(noise_multiplier=2.0, rounds=10),
     ],
-    ids=["demo z=0.01", "defaults", "z=2, 10 rounds"],
+    ids=["z=0.01 (the demo before issue 14)", "defaults", "z=2, 10 rounds"],
 )
 def test_published_epsilons_are_upper_bounds_by_a_second_accountant(settings: FederatedConfig) -> None:
     """Every published epsilon is Opacus's RDP accountant's, and an upper bound on what the PRV
@@ -99,3 +99,21 @@ def test_a_public_rate_and_divisor_do_not_depend_on_the_datasets_size() -> None:
         for records in (48, 49, 300)
     }
     assert set(fixed.values()) == {(accounted_rate(rate), 16)} and accounted_rate(rate) == 1 / 16
+
+
+def test_the_demo_publishes_a_user_level_epsilon_of_at_most_8_at_delta_1e_6() -> None:
+    """Issue 14, item 7: `make demo`'s federation is a population that can carry the noise; its
+    A.1 guarantee, Opacus RDP over its T Poisson rounds, is at most 8 at delta 1e-6 (and above the
+    PRV accountant's figure for the same rounds), and its own budget check passes before round 1."""
+    from nimmer_train.federation.rounds import ServerState, mechanism_of, require_budget
+    from tests.helpers.compose import config
+
+    settings = config("experiment=demo").federated
+    assert not settings.no_privacy and settings.delta == 1e-6 and settings.epsilon_budget == 8.0
+    mechanism = mechanism_of(settings)
+    assert mechanism.population >= 10_000 and mechanism.noise_multiplier >= 0.4
+    epsilon = mechanism.epsilon()
+    assert epsilon is not None and epsilon <= 8.0
+    warnings.filterwarnings("ignore")
+    assert epsilon >= _prv([mechanism.step()] * settings.rounds, settings.delta) - 0.01
+    require_budget(settings, Ledger(settings.delta, settings.epsilon_budget), ServerState(), True)

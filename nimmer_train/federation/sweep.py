@@ -1,0 +1,288 @@
+"""The privacy-utility table: epsilon x N cells of the federation's mechanism, in the simulator.
+
+Every cell runs DP-FedAvg exactly as the Flower path does (:mod:`nimmer_train.federation.simulator`)
+on a population of N contributors (N - 1 seeded A.1 players and the A.2 node, as the stage builds
+them), with the same rounds T and the same expected cohort q N for every N; the noise multiplier
+z is calibrated so that the T rounds spend exactly the cell's epsilon at delta (Opacus RDP,
+:func:`noise_multiplier_for`); epsilon inf is the non-private run (z = 0) on the same N, q and T.
+Every cell of one N draws its cohorts and noise from the same seed, so the cells of a row see the
+same cohorts (paired comparisons). Utility is the held-out loss gain (loss before - after); a
+cell's share is its gain over the non-private gain of its N.
+
+Resumable: each cell writes ``result.json`` when done (a rerun skips it) and checkpoints every
+round (a killed cell resumes after its last released round, never spending a round twice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nimmer_train.artifacts import write_json_atomic
+from nimmer_train.config.federated import FederatedConfig, PrivacySweepConfig
+from nimmer_train.federation.population import build_population
+from nimmer_train.federation.simulator import Simulator
+from nimmer_train.memory.embedding import Embedder
+from nimmer_train.privacy.dp_fedavg import noise_multiplier_for
+
+RESULT = "result.json"
+TABLE = "privacy_utility.md"
+PLOT = "privacy_utility.png"
+Log = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class Cell:
+    epsilon: float  # inf: no noise
+    population: int
+
+    @property
+    def name(self) -> str:
+        eps = "inf" if math.isinf(self.epsilon) else f"{self.epsilon:g}"
+        return f"eps{eps}-N{self.population}"
+
+
+def cell_settings(base: FederatedConfig, sweep: PrivacySweepConfig, cell: Cell) -> FederatedConfig:
+    """The federation of one cell: the base recipe with N, q = cohort / N, z for epsilon, T, delta."""
+    rate = sweep.cohort / cell.population
+    private = not math.isinf(cell.epsilon)
+    z = noise_multiplier_for(cell.epsilon, rate, sweep.rounds, sweep.delta) if private else 0.0
+    return dataclasses.replace(
+        base,
+        contributors=cell.population - 1,  # + the A.2 node: N nodes
+        population=["A1_federated"],
+        population_size=0,
+        fraction_fit=rate,
+        noise_multiplier=z,
+        rounds=sweep.rounds,
+        delta=sweep.delta,
+        epsilon_budget=None,
+        no_privacy=not private,
+        local_dp=False,
+        secure_aggregation=False,  # the simulator sums in the clear: SecAgg+ sums the same values
+        min_participants=1,
+        faults=[],
+    )
+
+
+def run_cell(
+    simulator: Simulator, settings: FederatedConfig, cell: Cell, root: Path, sweep: PrivacySweepConfig
+) -> dict[str, Any]:
+    """One cell's row (read from ``result.json`` when the cell is done)."""
+    work = root / cell.name
+    done = work / RESULT
+    if done.exists():
+        return json.loads(done.read_text())
+    started = time.monotonic()
+    state = simulator.run(
+        settings,
+        work,
+        np.random.default_rng([sweep.seed, cell.population]),
+        evaluate_every=sweep.evaluate_every,
+    )
+    released = [r for r in state.records if r.get("accepted")]
+    after = state.records[-1]["heldout_loss"]
+    row = {
+        "epsilon": None if math.isinf(cell.epsilon) else cell.epsilon,
+        "population": cell.population,
+        "sample_rate": settings.fraction_fit,
+        "expected_cohort": settings.fraction_fit * settings.nodes(),
+        "noise_multiplier": settings.noise_multiplier,
+        "noise_std_over_clip": settings.noise_multiplier / (settings.fraction_fit * settings.nodes()),
+        "rounds": settings.rounds,
+        "released": len(released),
+        "delta": settings.delta,
+        "epsilon_spent": released[-1].get("epsilon_a1_user_level") if released else 0.0,
+        "mean_cohort": float(np.mean([r["sampled"] for r in state.records])),
+        "heldout_loss_before": state.initial_loss,
+        "heldout_loss_after": after,
+        "gain": state.initial_loss - after,
+        "curve": [(r["round"], r["heldout_loss"]) for r in state.records if "heldout_loss" in r],
+        "seconds": state.seconds
+        if time.monotonic() - started > state.seconds
+        else time.monotonic() - started,
+        "built_devices": len(simulator.population.built()),
+    }
+    write_json_atomic(done, row)
+    return row
+
+
+def run_sweep(
+    base_dir: Path,
+    adapter_dir: Path,
+    base: FederatedConfig,
+    sweep: PrivacySweepConfig,
+    root: Path,
+    embedder: Embedder,
+    log: Log | None = None,
+) -> list[dict[str, Any]]:
+    """Every cell, row by row (one population per N, shared by its epsilons); the rows with
+    their ``share`` of the non-private gain of their N."""
+    rows: list[dict[str, Any]] = []
+    simulator: Simulator | None = None
+    for n in sweep.populations:
+        cells = [Cell(e, n) for e in sweep.epsilons]
+        if not any(math.isinf(c.epsilon) for c in cells):
+            cells.append(Cell(float("inf"), n))  # the reference of the row's shares
+        first = cell_settings(base, sweep, cells[0])
+        population = build_population(root / f"population-N{n}", first, embedder)
+        if simulator is None:
+            simulator = Simulator.load(base_dir, adapter_dir, population, first)
+        simulator = dataclasses.replace(simulator, population=population)
+        for cell in cells:
+            row = run_cell(simulator, cell_settings(base, sweep, cell), cell, root, sweep)
+            rows.append(row)
+            if log:
+                log(row)
+    return with_shares(rows)
+
+
+def with_shares(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's gain as a share of the non-private gain on the same N (None without one)."""
+    reference = {r["population"]: r["gain"] for r in rows if r["epsilon"] is None}
+    out = []
+    for r in rows:
+        ref = reference.get(r["population"])
+        share = r["gain"] / ref if ref and ref > 0 else None
+        out.append({**r, "share": share})
+    return out
+
+
+def goal_met(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> dict[str, bool | None]:
+    """Each goal cell ("8@10000"): its share >= goal_share (None when the cell was not run)."""
+    out: dict[str, bool | None] = {}
+    for spec in sweep.goal_cells:
+        eps, n = spec.split("@")
+        row = next((r for r in rows if r["epsilon"] == float(eps) and r["population"] == int(n)), None)
+        out[spec] = None if row is None or row["share"] is None else row["share"] >= sweep.goal_share
+    return out
+
+
+def table(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> str:
+    """The privacy-utility table as Markdown: one line per cell, goals marked."""
+    goals = {tuple(g.split("@")) for g in sweep.goal_cells}
+    lines = [
+        f"| epsilon (delta={sweep.delta:g}) | N | q | z | z/(qN) | held-out loss before -> after | gain | "
+        f"share of non-private gain | seconds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        eps = "inf (no DP)" if r["epsilon"] is None else f"{r['epsilon']:g}"
+        share = "—" if r["share"] is None else f"{100 * r['share']:.1f} %"
+        if (
+            r["epsilon"] is not None
+            and (f"{r['epsilon']:g}", str(r["population"])) in goals
+            and r["share"] is not None
+        ):
+            share += (
+                " (goal met)"
+                if r["share"] >= sweep.goal_share
+                else f" (goal {100 * sweep.goal_share:.0f} % NOT met)"
+            )
+        lines.append(
+            f"| {eps} | {r['population']:,} | {r['sample_rate']:.2g} | {r['noise_multiplier']:.3f} | "
+            f"{r['noise_std_over_clip']:.2e} | "
+            f"{r['heldout_loss_before']:.4f} -> {r['heldout_loss_after']:.4f} | "
+            f"{r['gain']:.4f} | {share} | {r['seconds']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Share of the non-private gain against epsilon, one line per N (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in sorted({r["population"] for r in rows}):
+        points = sorted(
+            (r["epsilon"], r["share"])
+            for r in rows
+            if r["population"] == n and r["epsilon"] is not None and r["share"] is not None
+        )
+        if points:
+            ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", label=f"N = {n:,}")
+    ax.axhline(90, color="grey", linestyle="--", linewidth=1, label="goal: 90 %")
+    ax.set_xscale("log")
+    ax.set_xlabel("user-level epsilon (delta = 1e-6)")
+    ax.set_ylabel("% of the non-private held-out loss gain")
+    ax.set_title("DP-FedAvg: privacy-utility (same N, q, T)")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any]]:
+    """The sweep of ``cfg.privacy_sweep`` on the base and adapter the federate stage would use,
+    tracked in MLflow (one metric step per cell, the table, its JSON and the plot as artifacts);
+    outputs under ``<workdir>/privacy_sweep/<fingerprint>/``."""
+    import mlflow
+
+    from nimmer_train import tracking
+    from nimmer_train.artifacts import fingerprint, read_manifest
+    from nimmer_train.federation.population import SketchEmbedder
+    from nimmer_train.federation.stage import locate
+
+    base_dir, adapter_dir, register = locate(cfg, None)
+    fp = fingerprint(
+        {
+            "version": 1,
+            "adapter": read_manifest(adapter_dir)["fingerprint"],
+            "federated": dataclasses.asdict(cfg.federated),
+            "sweep": {k: v for k, v in dataclasses.asdict(cfg.privacy_sweep).items() if k != "goal_cells"},
+        }
+    )
+    root = Path(cfg.paths.workdir).resolve() / "privacy_sweep" / fp[:12]
+    root.mkdir(parents=True, exist_ok=True)
+    run_file = root / "mlflow_run_id"
+    resume = run_file.read_text().strip() if run_file.exists() else None
+    sweep = cfg.privacy_sweep
+    with tracking.stage_run(cfg, pipeline, "privacy_sweep", resume_run_id=resume) as run_id:
+        if run_id:
+            run_file.write_text(run_id)
+            mlflow.set_tags({"register": register, "start_adapter": str(adapter_dir)})
+
+        def log(row: dict[str, Any]) -> None:
+            eps = "inf" if row["epsilon"] is None else f"{row['epsilon']:g}"
+            print(
+                f"cell epsilon={eps} N={row['population']}: z={row['noise_multiplier']:.3f}, held-out "
+                f"loss {row['heldout_loss_before']:.4f} -> {row['heldout_loss_after']:.4f} "
+                f"({row['seconds']:.0f} s)",
+                flush=True,
+            )
+            if run_id:
+                mlflow.log_metrics(
+                    {
+                        f"{k}_eps{eps}_N{row['population']}": float(row[k])
+                        for k in ("gain", "seconds", "noise_multiplier")
+                    }
+                )
+
+        rows = run_sweep(base_dir, adapter_dir, cfg.federated, sweep, root, SketchEmbedder(), log)
+        goals = goal_met(rows, sweep)
+        write_json_atomic(root / "privacy_utility.json", {"rows": rows, "goals": goals})
+        (root / TABLE).write_text(table(rows, sweep))
+        plot(rows, root / PLOT)
+        if run_id:
+            for r in rows:
+                if r["share"] is not None and r["epsilon"] is not None:
+                    mlflow.log_metric(f"share_eps{r['epsilon']:g}_N{r['population']}", r["share"])
+            for name in (TABLE, PLOT, "privacy_utility.json"):
+                mlflow.log_artifact(str(root / name), "privacy_sweep")
+    print(table(rows, sweep))
+    print(f"goals (share >= {100 * sweep.goal_share:.0f} %): {goals}")
+    print(f"outputs: {root}")
+    return rows

@@ -1,0 +1,18 @@
+"""The privacy-utility table: ``python -m pipelines.privacy_sweep [privacy_sweep.populations=[1000,10000]
+privacy_sweep.epsilons=[3,8,.inf] ...]`` with the same overrides as the federate pipeline (it
+simulates that federation's mechanism on the adapter federate would start from). Resumable:
+a rerun skips finished cells and resumes a killed one after its last released round."""
+
+from nimmer_train.config import Config
+from pipelines.entry import pipeline
+
+
+@pipeline
+def main(cfg: Config) -> None:
+    from nimmer_train.federation.sweep import sweep_stage  # after the config check
+
+    sweep_stage(cfg)
+
+
+if __name__ == "__main__":
+    main()
