@@ -97,16 +97,23 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` through a temp file, fsync and rename."""
+def write_json_atomic(path: Path, obj: Any, private: bool = False) -> None:
+    """Write JSON to ``path`` through a temp file, fsync and rename; ``private``: readable by the
+    owner only (0600 from the first byte). A failed write leaves no temp file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def file_table(folder: Path) -> list[dict[str, Any]]:

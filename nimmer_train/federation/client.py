@@ -10,6 +10,14 @@ indicator, set by ``mods.clip_mod`` from the private ``a1-update`` note below, w
 strip). Only the server-operated A.2 node reports its DP-SGD step (the server runs it anyway);
 that step depends on the settings only (public rate, every pooled example: see local_training),
 and the server accepts no other.
+
+A device takes part only while its consent says A1_federated and is not revoked
+(``consent.takes_part``): otherwise it refuses the round (it trains nothing and sends no
+update, SecAgg+ recovers its masks, and it is not counted) and notes the refusal in its
+contributions log. After each round it trained in, it logs what left it (the masked update) and
+what it cost: its local record-level epsilon and the federation's user-level epsilon, computed
+from the mechanism the server announces in the fit config (:data:`A1_MECHANISM`) with the
+ledger's accountant (``privacy.accounting.epsilon``).
 """
 
 from __future__ import annotations
@@ -24,15 +32,29 @@ from flwr.client import NumPyClient
 
 from nimmer_train.errors import NimmerError
 from nimmer_train.federation.wire import A1_UPDATE
-from nimmer_train.memory.consent import contributor_id, get_consent, read_profile, training_examples
+from nimmer_train.memory import contributions
+from nimmer_train.memory.consent import (
+    ConsentRecord,
+    contributor_id,
+    get_consent,
+    read_profile,
+    takes_part,
+    training_examples,
+)
 from nimmer_train.memory.embedding import NoEmbedder
 from nimmer_train.memory.player_memory import PlayerMemory
 from nimmer_train.privacy.a2_pool import A2Pool, PoolTooSmall
+from nimmer_train.privacy.accounting import epsilon
 
 log = logging.getLogger(__name__)
 TIER = "A1_federated"
 DEVICE_ACCOUNTANT = "federated_accountant.json"  # beside the device's stores
 POOL_ACCOUNTANT = "a2_accountant.json"  # beside the A.2 pool
+# fit-config keys of the server's user-level mechanism: its noise multiplier z, the Poisson rate
+# q at which nodes are sampled, and how many rounds the ledger has released before this one
+A1_MECHANISM = ("a1-noise-multiplier", "a1-sample-rate", "a1-released-rounds")
+REFUSAL = "this device takes no part in federated rounds"  # all a refusal tells the server
+LEFT_A1 = "only the update, clipped and masked by SecAgg+ (the server sees nothing but the sum)"
 
 
 @dataclass(frozen=True)
@@ -43,6 +65,7 @@ class Node:
     adapter_dir: Path
     device: Path | None = None  # a player's device folder (A.1)
     a2_pool: Path | None = None  # the A.2 intake (the server-operated client)
+    federation: str = "unnamed"  # the SuperLink the device joined, for its contributions log
 
     def __post_init__(self) -> None:
         if (self.device is None) == (self.a2_pool is None):
@@ -63,6 +86,7 @@ class Node:
             Path(str(node_config["adapter-dir"])),
             Path(str(node_config["device"])) if "device" in node_config else None,
             Path(str(node_config["a2-pool"])) if "a2-pool" in node_config else None,
+            str(node_config.get("federation", "unnamed")),
         )
 
 
@@ -73,15 +97,33 @@ def example_text(example: dict[str, str]) -> str:
 
 def device_examples(device: Path) -> tuple[list[str], str | None]:
     """The device's shareable examples for A.1 (through the consent filter) and its contributor id
-    (None unless the player consented to A.1)."""
+    (None unless the device takes part in A.1: consented and not revoked)."""
     player_id, player_name = read_profile(device)
     memory = PlayerMemory(device, NoEmbedder())
     try:
         examples = training_examples(memory, TIER, player_id, player_name)
-        ident = contributor_id(memory) if get_consent(memory).sharing_tier == TIER else None
+        ident = contributor_id(memory) if takes_part(get_consent(memory), TIER) is None else None
     finally:
         memory.close()
     return [example_text(e) for e in examples], ident
+
+
+def device_consent(device: Path) -> ConsentRecord:
+    memory = PlayerMemory(device, NoEmbedder())
+    try:
+        return get_consent(memory)
+    finally:
+        memory.close()
+
+
+def federation_epsilon(config: dict[str, Any]) -> float | None:
+    """The federation's user-level epsilon once this round is released: the ledger's A.1 figure,
+    one accountant step (z, q) per released round. It bounds this device's loss too (it counts
+    rounds released before the device joined). None when the server does not say its mechanism."""
+    if not all(k in config for k in A1_MECHANISM):
+        return None
+    z, q, released = (config[k] for k in A1_MECHANISM)
+    return epsilon([(float(z), float(q), int(released) + 1)], float(config["delta"]))
 
 
 def pool_examples(pool_path: Path, k: int) -> list[str]:
@@ -122,12 +164,16 @@ class Contributor(NumPyClient):
             grad_sample_mode=str(config["grad-sample-mode"]),
             seed=int(config["seed"]) + server_round,  # data order and initialisation only, never DP noise
             public_rate=self.node.a2_pool is not None,  # the pool's size stays out of its accounting
+            # the A.2 pool always trains with DP-SGD (its record-level guarantee); a device unless
+            # the federation relies on the user-level mechanism alone (federated.local_dp=false)
+            private=self.node.a2_pool is not None or bool(config.get("local-dp", True)),
         )
         if self.node.a2_pool is not None:
             texts = pool_examples(self.node.a2_pool, int(config["a2-k"]))
             accountant = self.node.a2_pool.parent / POOL_ACCOUNTANT
         else:
             assert self.node.device is not None
+            self._refuse_unless_taking_part(self.node.device, server_round)
             texts, _ = device_examples(self.node.device)
             accountant = self.node.device / DEVICE_ACCOUNTANT
         result = train_locally(
@@ -141,6 +187,20 @@ class Contributor(NumPyClient):
             str(config["spec-digest"]),
         )
         metrics: dict[str, Any] = {}
+        if self.node.device is not None:  # consent revoked while it trained: the update stays here
+            self._refuse_unless_taking_part(self.node.device, server_round)
+            contributions.record(
+                self.node.device,
+                "round",
+                federation=self.node.federation,
+                round=server_round,
+                tier=TIER,
+                left=LEFT_A1,
+                examples_used=result.examples,
+                epsilon=federation_epsilon(config),
+                epsilon_local=result.epsilon,
+                delta=float(config["delta"]),
+            )
         if self.node.device is not None and result.steps:  # a real A.1 update: for clip_mod only
             metrics[A1_UPDATE] = 1
         if self.node.a2_pool is not None and result.steps:  # the server operates this client: it may say how
@@ -152,3 +212,14 @@ class Contributor(NumPyClient):
                 }
             )
         return result.arrays, result.examples, metrics
+
+    def _refuse_unless_taking_part(self, device: Path, server_round: int) -> None:
+        """A revoked or non-A.1 device refuses the round: it sends nothing and is not counted."""
+        reason = takes_part(device_consent(device))
+        if reason is not None:
+            contributions.record(
+                device, "refused", federation=self.node.federation, round=server_round, reason=reason
+            )
+            # Flower sends the exception's text to the server: the reason (the tier, when consent
+            # was revoked) stays in the device's own log, the server learns only that it refused
+            raise NimmerError(REFUSAL)

@@ -6,10 +6,26 @@ Run config (``flwr run federated <connection> --run-config '...'``): every field
 federation improves, as the server holds it), ``work-dir`` (round checkpoints: a restarted run
 with the same work-dir resumes), ``out-dir`` (where the aggregated adapter is published),
 ``a2-pool`` (the A.2 intake, for accounting) and ``tracking-uri``.
+
+A contributor's side (``nimmer contribute``): :func:`run_supernode` starts a Flower SuperNode
+against the operator's SuperLink over TLS, on a free local port, says in plain lines what it is
+doing (and which address it keeps trying while the SuperLink does not answer), and stops it as
+soon as the device's consent no longer lets it take part.
 """
 
 from __future__ import annotations
 
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +52,11 @@ def settings_of(context: Context) -> FederatedConfig:
     if not settings.adapter_dir:
         raise NimmerError(
             "run config adapter-dir is empty: name the register adapter this federation improves"
+        )
+    if not settings.population_size:
+        raise NimmerError(
+            "run config population-size is 0: set it to the number of SuperNodes this federation "
+            "draws from (every released mean is divided by fraction-fit x population-size)"
         )
     return settings
 
@@ -78,3 +99,148 @@ def report_of(context: Context) -> Report:
                 client.log_metric(run_id, key, float(value), step=step)
 
     return report
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Flower colours its log levels
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, for the SuperNode's own local API."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def node_config(base: Path, adapter: Path, device: Path, federation: str) -> str:
+    """A device SuperNode's ``--node-config`` (see ``client.Node.from_node_config``)."""
+    values = {"base-dir": base, "adapter-dir": adapter, "device": device, "federation": federation}
+    quoted = [str(v) for v in values.values() if "'" in str(v) or '"' in str(v)]
+    if quoted:
+        raise NimmerError(f"{quoted[0]!r} holds a quote, which a node config cannot carry; move or rename it")
+    return " ".join(f"{k}='{v}'" for k, v in values.items())
+
+
+@dataclass(frozen=True)
+class SuperNode:
+    """What ``nimmer contribute`` starts: the SuperLink it joins and how."""
+
+    superlink: str  # host:port
+    root_certificates: Path  # the operator's CA certificate
+    node_config: str
+    port: int  # the SuperNode's local API port (two SuperNodes on one machine need two)
+    home: Path  # FLWR_HOME of this SuperNode
+    host: str = "127.0.0.1"
+
+    def command(self) -> list[str]:
+        return [
+            str(Path(sys.executable).parent / "flower-supernode"),
+            *("--superlink", self.superlink, "--root-certificates", str(self.root_certificates)),
+            *("--host", self.host, "--port", str(self.port), "--node-config", self.node_config),
+        ]
+
+    def env(self) -> dict[str, str]:
+        """Flower finds flower-superexec on PATH; nothing calls out (telemetry, update checks)."""
+        bin_dir = str(Path(sys.executable).parent)
+        return {
+            **os.environ,
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            "FLWR_HOME": str(self.home),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "HF_HUB_OFFLINE": "1",
+        }
+
+
+def run_supernode(
+    node: SuperNode,
+    still_takes_part: Callable[[], str | None],
+    say: Callable[[str], None],
+    retry_every: float = 20.0,
+    check_every: float = 2.0,
+) -> int:
+    """Run the SuperNode until it exits or ``still_takes_part`` gives a reason to leave (then it
+    is stopped; 0). Its log goes on with a ``supernode |`` prefix; while it has not reached the
+    SuperLink, a line every ``retry_every`` seconds names the address it is trying."""
+    node.home.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        node.command(),
+        env=node.env(),
+        cwd=node.home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_pump, args=(proc, lines), daemon=True).start()
+    previous = _leave_on_sigterm()
+    connected, started, last_note, last_check = False, time.monotonic(), time.monotonic(), 0.0
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                line = ""
+            if line is None:  # the SuperNode exited
+                break
+            if line:
+                say(f"supernode | {ANSI.sub('', line).rstrip()}")
+                if not connected and "SuperNode ID" in line:
+                    connected = True
+                    say(f"connected to the SuperLink at {node.superlink}; waiting for rounds (Ctrl-C leaves)")
+            now = time.monotonic()
+            if not connected and now - last_note >= retry_every:
+                last_note = now
+                say(
+                    f"still trying to reach the SuperLink at {node.superlink} over TLS "
+                    f"({now - started:.0f} s): check the address and port (Flower 1.42 serves on "
+                    f"8000) and that {node.root_certificates} is the operator's CA"
+                )
+            if now - last_check >= check_every:
+                last_check = now
+                reason = still_takes_part()
+                if reason is not None:
+                    say(f"leaving the federation: {reason}")
+                    _stop(proc)
+                    return 0
+    except KeyboardInterrupt:
+        say("leaving the federation (interrupted)")
+        _stop(proc)
+        return 0
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return proc.wait()
+
+
+def _leave_on_sigterm() -> Any:
+    """SIGTERM (a service manager stopping ``nimmer contribute``) leaves like Ctrl-C: the
+    SuperNode is stopped cleanly, never orphaned. Only the main thread may set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
+def _pump(proc: subprocess.Popen, lines: queue.Queue) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.put(line)
+    proc.wait()
+    lines.put(None)
+
+
+def _stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM the SuperNode's process group (it deactivates itself at the SuperLink), SIGKILL
+    after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

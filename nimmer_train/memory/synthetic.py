@@ -10,12 +10,21 @@ from typing import Any
 
 import numpy as np
 
+from nimmer_train.errors import NimmerError
 from nimmer_train.memory.companion import GOODS_TYPES, open_companion, record_session
-from nimmer_train.memory.consent import PLAYER, ConsentRecord, set_consent, write_profile
+from nimmer_train.memory.consent import (
+    PLAYER,
+    PROFILE_FILE,
+    ConsentRecord,
+    get_consent,
+    read_profile,
+    set_consent,
+    write_profile,
+)
 from nimmer_train.memory.embedding import Embedder
 from nimmer_train.memory.entries import DATA_CATEGORIES, SEMANTIC_TYPES
 from nimmer_train.memory.knowledge import Canon, add_canon, set_districts
-from nimmer_train.memory.player_memory import Mode, PlayerMemory
+from nimmer_train.memory.player_memory import PRIMARY_FILE, Mode, PlayerMemory
 from nimmer_train.voice.traits import TRAIT_AXES
 
 NPCS = ("npc:preacher-oran", "npc:scavenger-marra", "npc:chorus-leader", "npc:warden-tess", "npc:ferry-ilse")
@@ -101,10 +110,23 @@ def generate_player(
     start: float | None = None,
     player_id: str | None = None,
     tier: str | None = None,
+    append: bool = False,
 ) -> dict[str, Any]:
     """Fill a player's stores; returns counts. Same seed, same player (times come from ``start``).
-    ``player_id`` is planted in some entries and kept in the device's profile; ``tier`` fixes the
-    consent tier (else it is drawn)."""
+    ``player_id`` is planted in some entries and kept in the device's profile; ``tier`` is the
+    consent tier (default opt_out, as the design's). A folder that already holds a player is
+    refused unless ``append``, which adds entries and keeps its consent unless ``tier`` is given
+    (even then the player's exclusions and any revocation stand), and keeps its profile: the new
+    entries are the profile's player's (``player_id`` and ``player_name`` give way to it)."""
+    if (folder / PRIMARY_FILE).exists() and not append:
+        raise NimmerError(
+            f"{folder} already holds a player's stores; pass --append to add entries to them, "
+            "or choose a new folder"
+        )
+    existing = (folder / PRIMARY_FILE).exists()
+    keep_consent = existing and tier is None
+    if existing and (folder / PROFILE_FILE).exists():  # the player on this device stays who it is:
+        player_id, player_name = read_profile(folder)  # its profile redacts what it shares
     rng = np.random.default_rng(seed)
     now = [start if start is not None else 1_800_000_000.0]
     memory = PlayerMemory(folder, embedder, clock=lambda: now[0])
@@ -121,12 +143,19 @@ def generate_player(
         now[0] += float(rng.uniform(60, 3600))
     memory.write_many(batch)
     written["primary"] = len(batch)
-    drawn = rng.choice(["opt_out", "A1_federated", "A2_anonymized"], p=[0.4, 0.4, 0.2])
-    tier = tier or drawn
+    rng.random()  # once a drawn tier; kept so that a seed's later draws stay the same
     shared = tuple(str(c) for c in rng.choice(categories, size=int(rng.integers(1, 5)), replace=False))
     excluded = tuple(str(c) for c in rng.choice(categories, size=int(rng.integers(0, 2)), replace=False))
-    set_consent(memory, ConsentRecord(str(tier), shared, excluded, granted_at=now[0]))
-    if player_id:
+    if keep_consent:
+        tier = get_consent(memory).sharing_tier
+    elif existing:  # a new tier, but the player's exclusions and revocation stand
+        old = get_consent(memory)
+        excluded = tuple(dict.fromkeys([*old.excluded_categories, *excluded]))
+        set_consent(memory, ConsentRecord(tier or "opt_out", shared, excluded, now[0], old.revoked_at))
+    else:
+        tier = tier or "opt_out"
+        set_consent(memory, ConsentRecord(tier, shared, excluded, granted_at=now[0]))
+    if player_id and not (folder / PROFILE_FILE).exists():
         write_profile(folder, player_id, player_name)
     set_districts(memory, [("core", "ring"), ("ring", "wall"), ("wall", "frontier")])
     add_canon(

@@ -1,9 +1,15 @@
-"""The federation as contributors run it: a real SuperLink and three SuperNodes as processes on
-loopback over TLS (certificates made by the test), `flwr run federated` for two rounds, and a
-bounded shutdown. Nodes: two A.1 devices and the server-operated A.2 client.
+"""The contributor's journey and the operator's, following docs/federation-deployment.md command
+by command on loopback: `nimmer federation certs`, a signed release, `nimmer consent set` on
+four players, two A.2 uploads through `nimmer contributions upload` and `nimmer federation a2
+add`, the TLS SuperLink, the A.2 SuperNode, two devices joining with `nimmer contribute`, and
+`flwr run federated` for two rounds. Then: each device's `nimmer contributions` shows the rounds
+with the ledger's epsilon; one device revokes consent (its `nimmer contribute` leaves); an A.2
+player asks to be forgotten and the operator applies it; the next federation (one round) runs
+without the revoked device, which is not counted, and without the forgotten upload. The planted
+ids of all four players are searched for in everything the server side holds.
 
 The deployment spends most of its time in Flower's 3-second polls, so tests/conftest.py's
-``flower_two_rounds`` fixture starts :func:`two_rounds` in a background thread when the session
+``flower_two_rounds`` fixture starts :func:`journey` in a background thread when the session
 begins (only when this test is selected) and the test below joins it.
 """
 
@@ -17,88 +23,201 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
-from nimmer_train.config.federated import FederatedConfig
-from nimmer_train.federation.population import build_population, deliver_uploads
+from nimmer_train.federation.intake import pooled_ids
 from nimmer_train.loras.adapters import read_metadata
-from nimmer_train.memory.consent import PROFILE_FILE
+from nimmer_train.memory.contributions import entries
+from nimmer_train.memory.synthetic import generate_player
+from nimmer_train.publish.signing import Keyring
+from nimmer_train.publish.versions import open_version
 from tests.helpers import REPO
-from tests.helpers.flower_deployment import Background, deployment, tiny_release
+from tests.helpers.flower_deployment import BIN, Background, deployment, free_ports, nimmer
 from tests.helpers.memory import HashEmbedder
+from tests.helpers.published import publish_registers
+
+REGISTER = "caste-preacher"
+TIERS = ("A1_federated", "A1_federated", "A2_anonymized", "A2_anonymized")
 
 
-def two_rounds(work: Path) -> dict[str, Any]:
-    base, adapter, _ = tiny_release(work / "release")
-    population = build_population(
-        work / "devices",
-        FederatedConfig(
-            contributors=4,
-            population=["A1_federated", "A1_federated", "A2_anonymized", "A2_anonymized"],
-            entries_per_player=40,
-        ),
-        HashEmbedder(),
+def _players(work: Path) -> tuple[list[Path], list[str]]:
+    """Four players' folders (stand-ins for the game's: stores filled by the generator, opt-out
+    as the game leaves them) and the identifiers planted in them."""
+    folders, planted = [], []
+    for i in range(len(TIERS)):
+        folder = work / "players" / f"player{i}"
+        player_id, name = f"player-9d{i}e7c1a", f"Okonkwo{i}Vey"
+        generate_player(
+            folder, HashEmbedder(), seed=40 + i, entries=40, player_id=player_id, player_name=name
+        )
+        folders.append(folder)
+        planted += [player_id, name]
+    return folders, planted
+
+
+def _wait_exit(proc: Any, timeout: float = 600) -> int:
+    deadline = time.monotonic() + timeout  # a hang guard, not a speed bound
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, f"process {proc.pid} still running after {timeout} s"
+        time.sleep(0.5)
+    return int(proc.returncode)
+
+
+def journey(work: Path) -> dict[str, Any]:
+    home = work / "home-nimmer"
+    # the operator: certificates, and the release the federation improves (base + register LoRA)
+    nimmer(
+        "federation", "certs", str(work / "certs"), "--host", "127.0.0.1", "--host", "localhost", home=home
     )
-    pool = work / "server" / "a2_pool.sqlite"
-    uploads = deliver_uploads(population, pool, k=2)
-    release = f'base-dir="{base}" adapter-dir="{adapter}"'
-    nodes = [f'{release} device="{device}"' for device in population.devices[:2]]
-    nodes.append(f'{release} a2-pool="{pool}"')
+    releases, trusted = publish_registers(work / "release", (REGISTER,))
+    version = open_version(releases, "v1", Keyring.load(trusted))
+    base, adapter = version.folder, version.loras[REGISTER]
+    pool, inbox = work / "server" / "a2_pool.sqlite", work / "server" / "inbox"
+    # the players: consent (and the profile the device redacts with), A.2 uploads to the intake
+    players, planted = _players(work)
+    for folder, tier, i in zip(players, TIERS, range(len(TIERS)), strict=True):
+        player_id, name = planted[2 * i], planted[2 * i + 1]
+        nimmer(
+            "consent", "set", tier, str(folder), "--player-id", player_id, "--player-name", name, home=home
+        )
+    a1, a2 = players[:2], players[2:]
+    for folder in a2:
+        nimmer("contributions", "upload", str(folder), "--out", str(work / "outbox" / folder.name), home=home)
+        for upload in (work / "outbox" / folder.name).glob("a2-upload-*.json"):  # delivered to the operator
+            (inbox / upload.name).parent.mkdir(parents=True, exist_ok=True)
+            upload.replace(inbox / upload.name)
+    nimmer("federation", "a2", "add", "--pool", str(pool), *map(str, sorted(inbox.iterdir())), home=home)
+    release = f"base-dir='{base}' adapter-dir='{adapter}'"
     run_config = (
-        f'{release} work-dir="{work / "server" / "rounds"}" out-dir="{work / "out"}" a2-pool="{pool}" '
-        f'tracking-uri="sqlite:///{work / "mlflow.db"}" rounds=2 local-steps=2 noise-multiplier=0.01 '
-        "min-participants=2"  # the two A.1 devices: the threshold counts real A.1 updates only
+        f'base-dir="{base}" adapter-dir="{adapter}" a2-pool="{pool}" '
+        f'tracking-uri="sqlite:///{work / "mlflow.db"}" '
+        "local-steps=2 noise-multiplier=0.01 a2-k=1 population-size=3 "
     )
-    with deployment(work / "flower", nodes) as flower:
+    result: dict[str, Any] = {"planted": planted, "a1": a1, "a2": a2, "pool": pool}
+    with deployment(work / "flower", work / "certs") as flower:
+        flower.start(
+            "a2-node",
+            [
+                str(BIN / "flower-supernode"),
+                *("--superlink", flower.address, "--root-certificates", str(flower.ca)),
+                *("--port", str(free_ports(1)[0]), "--node-config", f"{release} a2-pool='{pool}'"),
+            ],
+        )
+        contributors = {
+            folder.name: flower.start(
+                folder.name,
+                [
+                    str(BIN / "nimmer"),
+                    *("contribute", str(folder), "--superlink", flower.address),
+                    *("--root-certificates", str(flower.ca), "--releases", str(releases), "--version", "v1"),
+                    *("--register", REGISTER, "--trusted-keys", str(trusted)),
+                ],
+            )
+            for folder in a1
+        }
         flower.wait_nodes(3)
         started = time.monotonic()
-        flower.run(REPO / "federated", run_config)
-        run_seconds = time.monotonic() - started
+        flower.run(
+            REPO / "federated",
+            run_config + f'work-dir="{work / "server/rounds"}" out-dir="{work / "out"}" rounds=2 '
+            "min-participants=2",  # the two A.1 devices: the threshold counts real A.1 updates only
+        )
+        result["run_seconds"] = time.monotonic() - started
+        result["shown"] = {f.name: nimmer("contributions", str(f), home=home).stdout for f in a1}
+        # one device revokes consent: its running `nimmer contribute` leaves the federation
+        nimmer("consent", "revoke", str(a1[1]), home=home)
+        result["revoked_exit"] = _wait_exit(contributors[a1[1].name])
+        # an A.2 player asks to be forgotten; the operator applies the request; the answer is recorded
+        request = work / "outbox" / "deletion-request.json"
+        nimmer("contributions", "forget", str(a2[0]), "--out", str(request), home=home)
+        (work / "server" / "requests").mkdir(parents=True)
+        received = work / "server" / "requests" / request.name
+        request.replace(received)
+        nimmer("federation", "a2", "forget", "--pool", str(pool), str(received), home=home)
+        nimmer(
+            "contributions",
+            "forget",
+            str(a2[0]),
+            "--answer",
+            str(received.with_suffix(".answer.json")),
+            home=home,
+        )
+        result["pooled_after_forget"] = pooled_ids(pool, 1)
+        # the next federation: the revoked device is gone, the forgotten upload with it
+        flower.wait_nodes(2, exactly=True)
+        flower.run(
+            REPO / "federated",
+            run_config.replace("population-size=3", "population-size=2")
+            + f'work-dir="{work / "server/rounds2"}" out-dir="{work / "out2"}" rounds=1 min-participants=1',
+        )
+        result["logs"] = {name: flower.log(name) for name in contributors}
         stopping = time.monotonic()
-    planted = []
-    for device in population.devices:
-        profile = json.loads((device / PROFILE_FILE).read_text())
-        planted += [profile["player_id"], profile["player_name"]]
     # the server's side: the SuperLink's log, the A.2 node's (server-operated), everything the
-    # ServerApp wrote, the A.2 pool and the MLflow store; A.1 nodes' logs stay on their devices
-    server_side = [
-        work / "flower/logs/superlink.log",
-        work / "flower/logs/supernode2.log",
-        work / "mlflow.db",
+    # ServerApp wrote, the pool, the intake's files and the MLflow store; devices' own files not
+    server_side = [work / "flower/logs/superlink.log", work / "flower/logs/a2-node.log", work / "mlflow.db"]
+    server_side += [
+        p for folder in ("out", "out2", "server") for p in (work / folder).rglob("*") if p.is_file()
     ]
-    server_side += [p for folder in ("out", "server") for p in (work / folder).rglob("*") if p.is_file()]
-    hits = [(str(p), t) for p in server_side for t in planted if t.lower().encode() in p.read_bytes().lower()]
-    return {
-        "planted": len(planted),
-        "hits": hits,
-        "uploads": uploads,
-        "killed": flower.killed,
-        "shutdown_seconds": time.monotonic() - stopping,
-        "all_exited": all(p.poll() is not None for p in flower.processes),
-        "run_seconds": run_seconds,
-        "out": work / "out",
-        "store": work / "mlflow.db",
-    }
+    result["hits"] = [
+        (str(p), t) for p in server_side for t in planted if t.lower().encode() in p.read_bytes().lower()
+    ]
+    result.update(
+        killed=flower.killed,
+        shutdown_seconds=time.monotonic() - stopping,
+        all_exited=all(p.poll() is not None for p in flower.processes),
+        out=work / "out",
+        out2=work / "out2",
+        store=work / "mlflow.db",
+    )
+    return result
 
 
 def start(work: Path) -> Background:
-    job = Background(two_rounds, work)
+    job = Background(journey, work)
     job.start()
     return job
 
 
+def _records(out: Path) -> list[dict[str, Any]]:
+    (published,) = out.iterdir()
+    return json.loads((published / "rounds.json").read_text())
+
+
 @pytest.mark.slow
-def test_superlink_and_three_supernodes_over_tls(flower_two_rounds: Background) -> None:
-    result = flower_two_rounds.outcome(timeout=30 * 60)  # a hang guard, not a speed bound
-    assert result["uploads"] == 2
-    assert result["planted"] == 8 and result["hits"] == []
+def test_contributors_join_see_their_spend_leave_and_are_forgotten(flower_two_rounds: Background) -> None:
+    result = flower_two_rounds.outcome(timeout=40 * 60)  # a hang guard, not a speed bound
+    assert len(result["planted"]) == 8 and result["hits"] == []
     assert result["killed"] == [] and result["shutdown_seconds"] < 30 and result["all_exited"]
+    first = _records(result["out"])
+    assert [(r["round"], r["participants"], r["accepted"]) for r in first] == [(1, 3, True), (2, 3, True)]
     (published,) = result["out"].iterdir()
-    records = json.loads((published / "rounds.json").read_text())
-    assert [(r["round"], r["participants"], r["accepted"]) for r in records] == [(1, 3, True), (2, 3, True)]
     fed = read_metadata(published)["federation"]
     # counts are noised estimates: 2 A.1 devices at z = 0.01 round to 2; the A.2 uploads carry noise
     assert fed["counts_noised"] and fed["contributors_a1"] == 2 and fed["epsilon_a2_record_level"] > 0
-    assert isinstance(fed["uploads_a2"], int) and fed["uploads_a2"] >= 0
     client = MlflowClient(tracking_uri=f"sqlite:///{result['store']}")
-    (run,) = client.search_runs([client.get_experiment_by_name("nimmer-federate").experiment_id])
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "epsilon_a1_user_level")] == [1, 2]
+    runs = client.search_runs([client.get_experiment_by_name("nimmer-federate").experiment_id])
+    assert sorted(len(client.get_metric_history(r.info.run_id, "epsilon_a1_user_level")) for r in runs) == [
+        1,
+        2,
+    ]
+    # each device's log: both rounds, the ledger's epsilon after each, and what left it
+    for folder in result["a1"]:
+        rounds = [e for e in entries(folder) if e["kind"] == "round"][:2]
+        assert [e["round"] for e in rounds] == [1, 2]
+        assert [e["epsilon"] for e in rounds] == pytest.approx([r["epsilon_a1_user_level"] for r in first])
+        assert all(e["epsilon_local"] > 0 and "masked" in e["left"] for e in rounds)
+        shown = result["shown"][folder.name]
+        assert "round 2 of 127.0.0.1:" in shown and f"epsilon {rounds[1]['epsilon']:.4g}" in shown
+    # the revoked device left (exit 0, saying why), took no part in the next federation and is not counted
+    assert result["revoked_exit"] == 0
+    revoked = result["a1"][1]
+    assert "leaving the federation: consent was revoked" in result["logs"][revoked.name]
+    assert [e["kind"] for e in entries(revoked)] == ["round", "round"]
+    (second,) = _records(result["out2"])
+    assert second["accepted"] and second["participants"] == 2 and second["sampled"] == 2
+    assert round(second["a1_contributions_noised"]) == 1
+    stayed = [e for e in entries(result["a1"][0]) if e["kind"] == "round"]
+    assert len(stayed) == 3 and stayed[2]["epsilon"] == pytest.approx(second["epsilon_a1_user_level"])
+    # the forgotten upload left the pool before the next federation; the device holds the answer
+    (asked,) = [e for e in entries(result["a2"][0]) if e["kind"] == "deletion_answer"]
+    (kept,) = [e["upload_id"] for e in entries(result["a2"][1]) if e["kind"] == "a2_upload"]
+    assert len(asked["deleted"]) == 1 and result["pooled_after_forget"] == [kept]
     print(f"deployment: two rounds in {result['run_seconds']:.0f} s")

@@ -1,14 +1,15 @@
-"""A real Flower deployment on loopback for tests: TLS certificates made here, one SuperLink and
-N SuperNodes as processes, the `flwr` CLI with its own FLWR_HOME, and a bounded shutdown
-(SIGTERM to nodes then SuperLink and everything they started, SIGKILL after a grace period).
+"""A real Flower deployment on loopback for tests, started with the commands of
+docs/federation-deployment.md: the SuperLink over TLS (certificates from `nimmer federation
+certs`), nodes as processes (`flower-supernode` for the A.2 node, `nimmer contribute` for
+devices), the `flwr` CLI with its own FLWR_HOME and the documented connection file, and a
+bounded shutdown (SIGTERM to nodes then SuperLink and everything they started, SIGKILL after a
+grace period).
 
 Every ``timeout`` here is a hang guard sized for a loaded two-core machine, never a speed bound;
 the shutdown grace is different: the deployment test asserts that shutdown is bounded."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
 import signal
@@ -27,63 +28,6 @@ from typing import Any
 
 BIN = Path(sys.executable).parent
 CONNECTION = "loopback"
-
-
-def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
-    """A CA and a server certificate for 127.0.0.1/localhost: (ca.crt, server.crt, server.key)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nimmer-test-ca")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    paths = folder / "ca.crt", folder / "server.crt", folder / "server.key"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.TraditionalOpenSSL,
-            serialization.NoEncryption(),
-        )
-    )
-    return paths
 
 
 def free_ports(n: int) -> list[int]:
@@ -109,6 +53,16 @@ def flower_env(home: Path) -> dict[str, str]:
     }
 
 
+def nimmer(*args: str, home: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """One `nimmer` command as a newcomer types it (the installed console script)."""
+    proc = subprocess.run(
+        [str(BIN / "nimmer"), *args], env=flower_env(home), capture_output=True, text=True, timeout=600
+    )
+    if check and proc.returncode:
+        raise AssertionError(f"nimmer {' '.join(args)} ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
 @dataclass
 class Deployment:
     work: Path
@@ -116,6 +70,21 @@ class Deployment:
     port: int
     processes: list[subprocess.Popen] = field(default_factory=list)
     killed: list[int] = field(default_factory=list)  # pids that ignored SIGTERM at shutdown
+    nodes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, name: str, command: list[str]) -> subprocess.Popen:
+        """A node process (a SuperNode, or `nimmer contribute`), logged to logs/<name>.log and
+        stopped with the deployment."""
+        proc = _start(command, self.work / f"home-{name}", self.work / "logs" / f"{name}.log")
+        self.nodes[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.work / "logs" / f"{name}.log").read_text()
 
     def cli(self, *args: str, timeout: float = 300) -> dict[str, Any]:
         proc = subprocess.run(
@@ -131,11 +100,13 @@ class Deployment:
         except ValueError as exc:
             raise AssertionError(f"flwr {' '.join(args)} ({proc.returncode}):\n{out}\n{proc.stderr}") from exc
 
-    def wait_nodes(self, n: int, timeout: float = 600) -> None:
+    def wait_nodes(self, n: int, timeout: float = 600, exactly: bool = False) -> None:
+        """Until ``n`` nodes are online (``exactly``: no more either)."""
         deadline = time.monotonic() + timeout
         while True:
             nodes = self.cli("supernode", "list", CONNECTION).get("nodes", [])
-            if sum(node.get("status") == "online" for node in nodes) >= n:
+            online = sum(node.get("status") == "online" for node in nodes)
+            if online == n or (online > n and not exactly):
                 return
             assert time.monotonic() < deadline, f"only {nodes} online after {timeout} s"
             time.sleep(0.5)
@@ -208,38 +179,32 @@ def stop(processes: list[subprocess.Popen], grace: float = 15) -> list[int]:
 
 
 @contextmanager
-def deployment(work: Path, node_configs: list[str]) -> Iterator[Deployment]:
-    """A TLS SuperLink and one SuperNode per node config, all on loopback."""
-    ca, cert, key = make_certificates(work / "certs")
-    port, *node_ports = free_ports(1 + len(node_configs))
-    logs = work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+def deployment(work: Path, certs: Path) -> Iterator[Deployment]:
+    """The documented SuperLink over TLS on loopback (``certs``: what `nimmer federation certs`
+    made) and the `flwr` CLI's connection file; nodes join with :meth:`Deployment.start`."""
+    ca = certs / "ca.crt"
+    (port,) = free_ports(1)
+    (work / "logs").mkdir(parents=True, exist_ok=True)
     d = Deployment(work, ca, port)
     superlink = [
         str(BIN / "flower-superlink"),
-        *("--ssl-ca-certfile", str(ca), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)),
-        *("--host", "127.0.0.1", "--port", str(port), "--database", str(work / "superlink.db")),
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--ssl-ca-certfile", str(ca), "--ssl-certfile", str(certs / "server.crt")),
+        *("--ssl-keyfile", str(certs / "server.key"), "--database", str(work / "superlink.db")),
         *("--isolation", "subprocess", "--disable-runtime-dependency-installation"),
     ]
-    nodes = []
     try:
-        d.processes.append(_start(superlink, work / "home-superlink", logs / "superlink.log"))
+        d.processes.append(_start(superlink, work / "home-superlink", work / "logs" / "superlink.log"))
         _wait_healthy(port, ca)
-        for i, (node_port, node_config) in enumerate(zip(node_ports, node_configs, strict=True)):
-            command = [
-                str(BIN / "flower-supernode"),
-                *("--root-certificates", str(ca), "--superlink", f"127.0.0.1:{port}"),
-                *("--host", "127.0.0.1", "--port", str(node_port), "--node-config", node_config),
-            ]
-            nodes.append(_start(command, work / f"home-node{i}", logs / f"supernode{i}.log"))
         home = work / "home-cli"
         home.mkdir(parents=True, exist_ok=True)
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-            f'address = "127.0.0.1:{port}"\nroot-certificates = "{ca}"\n'
+            f'address = "{d.address}"\nroot-certificates = "{ca}"\n'
         )
         yield d
     finally:
+        nodes = list(d.nodes.values())
         d.killed = stop(nodes) + stop(d.processes)
         d.processes += nodes
 
@@ -269,9 +234,16 @@ def _wait_healthy(port: int, ca: Path, timeout: float = 600) -> None:
         time.sleep(0.2)
 
 
-def tiny_release(folder: Path) -> tuple[Path, Path, int]:
+def tiny_release(
+    folder: Path,
+    model_config: Any = None,
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    prepare: Any = None,
+) -> tuple[Path, Path, int]:
     """A tiny published base (tokenizer trained here) and a register adapter on it:
-    (base dir, adapter dir, base parameter count)."""
+    (base dir, adapter dir, base parameter count). ``model_config`` (a ModelConfig; default the
+    "tiny" preset) and ``lora_targets`` size it; ``prepare(model, tokenizer)``, if given, runs on
+    the fresh base before it is saved (e.g. a short pretraining, for tests that need a real LM)."""
     from peft import LoraConfig, get_peft_model
 
     from nimmer_train.artifacts import write_json_atomic, write_manifest
@@ -284,13 +256,19 @@ def tiny_release(folder: Path) -> tuple[Path, Path, int]:
 
     tokenizer = train_bpe([example_text(e) for e in heldout_examples(2000, seed=1)], 512, 256)
     model = build_model(
-        ModelConfig(name="tiny"), len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, 0
+        model_config or ModelConfig(name="tiny"),
+        len(tokenizer),
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        0,
     )
+    if prepare is not None:
+        prepare(model, tokenizer)
     base = folder / "base" / "tiny-release"
     model.save_pretrained(base)
     tokenizer.save_pretrained(base)
     write_manifest(base, "base", "test", {})
-    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(lora_targets)))
     adapter = folder / "adapter"
     peft.save_pretrained(adapter)
     write_json_atomic(adapter / METADATA, {"register": "caste-preacher", "base": base_identity(base)})

@@ -18,11 +18,15 @@ def test_uploads_get_fresh_unlinked_ids_and_the_contributor_id_is_random(tmp_pat
         f"{PLAYER_NAME} told the scavenger about the copper coil", PLAYER_NAME, "working", "casual_dialog"
     )
     set_consent(memory, ConsentRecord("A2_anonymized", ("casual_dialog",), ()))
-    first, second = a2_upload(memory, PLAYER_ID, PLAYER_NAME), a2_upload(memory, PLAYER_ID, PLAYER_NAME)
+    first = a2_upload(memory, PLAYER_ID, PLAYER_NAME)
+    assert a2_upload(memory, PLAYER_ID, PLAYER_NAME) is None  # an entry goes into one upload only
+    memory.write(f"{PLAYER_NAME} found a lamp", PLAYER_NAME, "working", "casual_dialog")
+    second = a2_upload(memory, PLAYER_ID, PLAYER_NAME)
     assert first.upload_id != second.upload_id and sent_uploads(memory) == sorted(
         [first.upload_id, second.upload_id]
     )
-    assert first.examples == second.examples and "Marta" not in str(first.examples)
+    assert len(first.examples) == len(second.examples) == 1 and first.examples != second.examples
+    assert "Marta" not in str(first.examples) + str(second.examples)
     cid = contributor_id(memory)
     assert (
         cid == contributor_id(memory)
