@@ -31,7 +31,7 @@ from pathlib import Path
 import apsw
 import numpy as np
 
-from nimmer_train.memory.clasp import open_clasp
+from nimmer_train.memory.clasp import CLASP_FILE, open_clasp
 from nimmer_train.memory.db import connect, migrate
 from nimmer_train.memory.embedding import Embedder
 from nimmer_train.memory.entries import (
@@ -101,6 +101,10 @@ class PlayerMemory:
         if self._clasp is None:
             self._clasp = open_clasp(self.folder)
         return self._clasp
+
+    def has_clasp(self) -> bool:
+        """Whether this player has a clasp store yet (without creating one)."""
+        return self._clasp is not None or (self.folder / CLASP_FILE).exists()
 
     def _index(self, name: str) -> VectorIndex:
         if name not in self._indexes:

@@ -1,7 +1,11 @@
 """The SQL schema of the player stores, one migration per schema version (PRAGMA user_version).
 
 primary.sqlite: v1 entries + vectors + consent, v2 canon and the district graph, v3 the
-pseudonymous contributor id and the ids of A.2 uploads sent (for deletion requests).
+pseudonymous contributor id and the ids of A.2 uploads sent (for deletion requests), v4 the
+knowledge crystals (issue 16; the clasp store's v2): every entry gets a crystal row (lifecycle,
+origin, provenance, governance, validity interval), an audit row per lifecycle transition, an
+FTS5 index over entry text, the search log and a key-value meta table. Existing entries are
+backfilled as generated crystals; nothing is dropped or rewritten.
 The clasp store and fallback.sqlite (a snapshot of primary) share the entry tables.
 """
 
@@ -73,5 +77,82 @@ CREATE TABLE contributor (
 );
 CREATE TABLE a2_uploads (upload_id TEXT PRIMARY KEY, sent_at REAL NOT NULL, deletion_requested_at REAL);
 """
-PRIMARY_MIGRATIONS = (MEMORY_SCHEMA_V1 + CONSENT_SCHEMA_V1, CANON_SCHEMA_V2, CONTRIBUTOR_SCHEMA_V3)
-CLASP_MIGRATIONS = (MEMORY_SCHEMA_V1,)
+CRYSTAL_SCHEMA = """
+CREATE TABLE crystals (
+    entry_id INTEGER PRIMARY KEY REFERENCES entries (id) ON DELETE CASCADE,
+    lifecycle TEXT NOT NULL CHECK (lifecycle IN
+        ('generated', 'activated', 'consolidated', 'archived', 'expired', 'frozen')),
+    origin TEXT NOT NULL CHECK (origin IN ('file', 'transcript', 'skill', 'note', 'dream')),
+    path TEXT,
+    start_line INTEGER,
+    end_line INTEGER,
+    turn_ids TEXT NOT NULL DEFAULT '[]',
+    content_hash TEXT,
+    merged_from TEXT NOT NULL DEFAULT '[]',  -- event_uids (entry ids are reused after a purge)
+    parent_uid TEXT,
+    lifespan TEXT NOT NULL CHECK (lifespan IN ('permanent', 'ttl', 'decay')),
+    ttl_s REAL CHECK (ttl_s IS NULL OR ttl_s > 0),
+    valid_from REAL NOT NULL,
+    valid_to REAL,
+    superseded_by TEXT,
+    directive INTEGER NOT NULL DEFAULT 0,
+    importance REAL NOT NULL,
+    lifecycle_at REAL NOT NULL,
+    last_progress_at REAL,
+    stalled_at REAL,
+    merge_checked INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX crystals_lifecycle ON crystals (lifecycle);
+CREATE INDEX crystals_path ON crystals (path) WHERE path IS NOT NULL;
+CREATE TABLE crystal_audit (
+    id INTEGER PRIMARY KEY,
+    entry_id INTEGER NOT NULL,
+    event_uid TEXT NOT NULL,
+    at REAL NOT NULL,
+    from_state TEXT,
+    to_state TEXT NOT NULL,
+    reason TEXT NOT NULL
+);
+CREATE INDEX crystal_audit_entry ON crystal_audit (entry_id);
+CREATE TABLE memory_search_log (
+    id INTEGER PRIMARY KEY,
+    at REAL NOT NULL,
+    query TEXT NOT NULL,
+    results INTEGER NOT NULL,
+    top_score REAL,
+    mean_score REAL,
+    top_similarity REAL,
+    mean_similarity REAL
+);
+CREATE TABLE memory_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE VIRTUAL TABLE entries_fts USING fts5(
+    text, content='entries', content_rowid='id', tokenize='porter unicode61'
+);
+INSERT INTO entries_fts (entries_fts) VALUES ('rebuild');
+CREATE TRIGGER entries_fts_insert AFTER INSERT ON entries BEGIN
+    INSERT INTO entries_fts (rowid, text) VALUES (new.id, new.text);
+    INSERT INTO crystals (entry_id, lifecycle, origin, lifespan, valid_from, importance, lifecycle_at)
+    VALUES (new.id, 'generated', CASE WHEN new.session_id IS NULL THEN 'note' ELSE 'transcript' END,
+            CASE WHEN new.memory_class IN ('cornerstone', 'birthright') THEN 'permanent' ELSE 'decay' END,
+            new.created_at, new.importance, new.created_at);
+    INSERT INTO crystal_audit (entry_id, event_uid, at, from_state, to_state, reason)
+    VALUES (new.id, new.event_uid, new.created_at, NULL, 'generated', 'created');
+END;
+CREATE TRIGGER entries_fts_delete AFTER DELETE ON entries BEGIN
+    INSERT INTO entries_fts (entries_fts, rowid, text) VALUES ('delete', old.id, old.text);
+END;
+INSERT INTO crystals (entry_id, lifecycle, origin, lifespan, valid_from, importance, lifecycle_at)
+SELECT id, 'generated', CASE WHEN session_id IS NULL THEN 'note' ELSE 'transcript' END,
+       CASE WHEN memory_class IN ('cornerstone', 'birthright') THEN 'permanent' ELSE 'decay' END,
+       created_at, importance, created_at
+FROM entries;
+INSERT INTO crystal_audit (entry_id, event_uid, at, from_state, to_state, reason)
+SELECT id, event_uid, created_at, NULL, 'generated', 'migrated to schema with crystals' FROM entries;
+"""
+PRIMARY_MIGRATIONS = (
+    MEMORY_SCHEMA_V1 + CONSENT_SCHEMA_V1,
+    CANON_SCHEMA_V2,
+    CONTRIBUTOR_SCHEMA_V3,
+    CRYSTAL_SCHEMA,
+)
+CLASP_MIGRATIONS = (MEMORY_SCHEMA_V1, CRYSTAL_SCHEMA)

@@ -218,9 +218,11 @@ class RingC:
     constrained = False
     local = False
 
-    def __init__(self, cfg: RingConfig) -> None:
+    def __init__(self, cfg: RingConfig, tools: Any = None) -> None:
         self.cfg, self.context_tokens, self.count = cfg, cfg.context_tokens, word_count
         self._make = make_teacher  # one teacher backend per turn: its knobs set max_new_tokens
+        self.tools = tools  # a memory ToolRegistry offered to the provider (runtime/tool_calls.py)
+        self.tool_calls: list[Any] = []  # the last turn's executed tool calls
 
     def render(self, prompt: TurnPrompt, register: Register) -> list[dict[str, str]]:
         return render_projection(prompt, register)
@@ -231,7 +233,15 @@ class RingC:
         teacher = self._make(teacher_cfg)
         messages = self.render(prompt, register)
         request = GenerationRequest(name, {}, prompt, messages, knobs, key="")
-        reply = teacher.generate([request])[0]
+        # --- issue 16: memory tools in the turn loop (OpenAI-compatible providers) ---
+        if self.tools is not None and self.cfg.provider == "openai_compatible":
+            from nimmer_train.runtime.tool_calls import chat_with_tools
+
+            turn = chat_with_tools(teacher, request, self.tools)
+            reply, self.tool_calls = turn.reply, turn.calls
+        else:
+            reply = teacher.generate([request])[0]
+        # --- end issue 16 ---
         warnings = [f"{k}_unsupported_dropped" for k in reply.dropped_knobs]
         warnings.append("multi_lora_emulated_via_prompt")
         if self.cfg.provider == "anthropic" and knobs.temperature > 1.0:

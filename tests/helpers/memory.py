@@ -35,3 +35,47 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class CountingEmbedder(HashEmbedder):
+    """HashEmbedder that counts the texts it embeds (re-embedding tests)."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        self.texts += list(texts)
+        return super().embed(texts)
+
+
+def agent_memory(folder, clock: Clock | None = None, embedder=None):  # noqa: ANN001, ANN201
+    """An AgentMemory over ``folder`` with the hash embedder and a test clock."""
+    from nimmer_train.memory.agent_memory import AgentMemory
+
+    return AgentMemory(folder, embedder or HashEmbedder(), clock=clock or Clock())
+
+
+def write_v3_store(folder, rows: list[tuple[str, str, str, str]]) -> None:  # noqa: ANN001
+    """A primary store as schema v3 (before crystals) left it: entries and vectors, no crystals.
+    ``rows`` are (event_uid, text, memory_class, data_category)."""
+    from nimmer_train.memory.db import connect, migrate
+    from nimmer_train.memory.entries import COLUMNS, MemoryEntry
+    from nimmer_train.memory.player_memory import PRIMARY_FILE
+    from nimmer_train.memory.schema import PRIMARY_MIGRATIONS
+
+    path = folder / PRIMARY_FILE
+    db = connect(path)
+    migrate(db, PRIMARY_MIGRATIONS[:3], path)
+    vectors = HashEmbedder().embed([r[1] for r in rows])
+    with db:
+        for (uid, text, cls, cat), vector in zip(rows, vectors, strict=True):
+            entry = MemoryEntry(uid, text, "npc", cls, cat, created_at=1.0e9, updated_at=1.0e9)
+            db.execute(
+                f"INSERT INTO entries ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
+                entry.row(),
+            )
+            db.execute(
+                "INSERT INTO entries_vec (rowid, embedding, memory_class, data_category) VALUES (?, ?, ?, ?)",
+                (db.last_insert_rowid(), vector.tobytes(), cls, cat),
+            )
+    db.close()

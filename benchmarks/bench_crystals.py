@@ -1,0 +1,363 @@
+"""Knowledge crystals: retrieval quality on generated multi-session dialogues, search latency,
+consolidation wall time and transcript indexing lag, measured in one process on this machine.
+
+- Quality: a seeded generator writes multi-session conversations (user + assistant exchanges,
+  a day between sessions) with planted facts, preferences and updates (a fact that changes in a
+  later session), among filler and distractors (the same attributes said of other people).
+  Every exchange is indexed as an episode crystal (all-MiniLM-L6-v2). Each question has known
+  evidence turn ids; evidence recall@k (k = 1, 5, 10) is reported for hybrid search (vector +
+  FTS5 BM25, RRF, recency) and vector-only, and for update questions the mean rank of the latest
+  and of the superseded evidence and the share where the latest ranks above. The questions are
+  phrased unlike the statements (no copy of the planted sentence).
+- memory_search p50 / p95 at 10k and 100k crystals (random unit vectors and random-word texts;
+  the query vector is given, so this is search + fusion + access update + log, not the
+  embedding, which is timed apart). Goal: p95 <= 20 ms.
+- Consolidation wall time at 10k and 100k crystals: the first run (rescoring everything, one
+  merge batch of 2,000 unchecked crystals against all) and a steady-state run (backlog worked
+  through) after 1 % new crystals. Goal: 10k in under 1 s.
+- Transcript indexing lag: exchanges submitted to the background indexer at once; seconds from
+  submit to commit, p50 / p95.
+
+python -m benchmarks.bench_crystals [--smoke]
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from nimmer_train.memory.agent_memory import AgentMemory
+from nimmer_train.memory.consolidation import consolidate
+from nimmer_train.memory.crystals import CrystalSpec
+from nimmer_train.memory.embedding import SentenceEmbedder
+from nimmer_train.memory.ingestion import Exchange, TranscriptIndexer, index_exchanges
+
+DAY = 86400.0
+START = 1_800_000_000.0
+NAMES = [
+    "Ilse",
+    "Greta",
+    "Tomas",
+    "Jorunn",
+    "Mara",
+    "Pavel",
+    "Ines",
+    "Oskar",
+    "Lena",
+    "Birk",
+    "Selma",
+    "Anton",
+]
+CITIES = ["Hamburg", "Lisbon", "Munich", "Oslo", "Porto", "Vienna", "Ghent", "Krakow", "Turin", "Bergen"]
+JOBS = ["nurse", "carpenter", "teacher", "baker", "electrician", "librarian", "pharmacist", "translator"]
+PLACES = ["city hospital", "harbour office", "public library", "train depot", "river school", "old mill"]
+PETS = [("dog", "Biscuit"), ("cat", "Pepper"), ("parrot", "Kiwi"), ("rabbit", "Clover"), ("dog", "Rusty")]
+FOODS = ["mushroom risotto", "lentil soup", "grilled sardines", "dumplings", "pumpkin pie", "falafel"]
+DRINKS = ["green tea", "black coffee", "hot chocolate", "apple juice", "mint tea"]
+HOBBIES = ["climbing", "pottery", "chess", "sailing", "birdwatching", "woodcarving", "running"]
+COLOURS = ["red", "blue", "green", "yellow", "grey", "white"]
+MONTHS = ["March", "May", "July", "September", "November"]
+FILLER = [
+    "The weather has been {adj} all week.",
+    "I watched a documentary about {topic} yesterday.",
+    "My friend {name} lives in {city} and works as a {job}.",
+    "Have you heard the news about {topic}?",
+    "{name} told me she is thinking about getting a {pet}.",
+    "I had {food} for lunch, it was fine.",
+    "Traffic in {city} was terrible this morning.",
+    "{name} wants to take up {hobby} next year.",
+    "I'm a bit tired today, long day.",
+    "Do you think it will rain on the weekend?",
+]
+TOPICS = ["volcanoes", "the election", "deep sea fish", "old castles", "electric cars", "bees"]
+ADJECTIVES = ["grey", "sunny", "windy", "cold", "strange"]
+REPLIES = [
+    "That's interesting, tell me more.",
+    "I see. How do you feel about that?",
+    "Thanks for sharing that with me.",
+    "Oh, I didn't know that.",
+    "Noted! Anything else on your mind?",
+]
+
+
+@dataclass
+class Question:
+    text: str
+    evidence: str  # the turn id that answers it
+    superseded: str | None = None  # for updates: the older, now wrong, evidence
+
+
+@dataclass
+class Conversation:
+    exchanges: list[tuple[str, str, str, float]] = field(default_factory=list)  # (turn id, user, reply, at)
+    questions: list[Question] = field(default_factory=list)
+
+
+def _facts(rng: random.Random) -> list[tuple[str, str]]:
+    """(statement, question) pairs planted once."""
+    pet, pet_name = rng.choice(PETS)
+    return [
+        (f"By the way, my sister is called {rng.choice(NAMES)}.", "What is my sister's name?"),
+        (f"I work as a {rng.choice(JOBS)} these days.", "What do I do for a living?"),
+        (f"We adopted a {pet} named {pet_name} last spring.", "What is the name of our pet?"),
+        (f"My birthday is on the {rng.randint(2, 28)}th of {rng.choice(MONTHS)}.", "When is my birthday?"),
+        (f"I grew up in {rng.choice(CITIES)}, a long time ago.", "Where was I raised as a child?"),
+        (
+            f"I really prefer {rng.choice(DRINKS)} to anything else in the morning.",
+            "What do I like to drink?",
+        ),
+        (f"Honestly my favourite dish is {rng.choice(FOODS)}.", "Which meal do I love most?"),
+        (f"On weekends I love {rng.choice(HOBBIES)} with friends.", "What is my weekend pastime?"),
+    ]
+
+
+def _updates(rng: random.Random) -> list[tuple[str, str, str]]:
+    """(first statement, later update, question)."""
+    city, city2 = rng.sample(CITIES, 2)
+    place, place2 = rng.sample(PLACES, 2)
+    colour, colour2 = rng.sample(COLOURS, 2)
+    return [
+        (
+            f"I live in {city} at the moment.",
+            f"Big news: we moved from {city} to {city2} last week.",
+            "Which city is my home now?",
+        ),
+        (
+            f"I work at the {place}.",
+            f"I quit my job at the {place}, I am at the {place2} now.",
+            "Where is my workplace these days?",
+        ),
+        (
+            f"My car is {colour}.",
+            f"I had my car repainted {colour2}, it used to be {colour}.",
+            "What colour is my car currently?",
+        ),
+    ]
+
+
+def generate(seed: int, sessions: int, per_session: int) -> Conversation:
+    rng = random.Random(seed)
+    conv = Conversation()
+    slots = [(s, t) for s in range(sessions) for t in range(per_session)]
+    plants: dict[tuple[int, int], str] = {}
+    half = sessions // 2
+    for statement, question in _facts(rng):
+        slot = rng.choice([x for x in slots if x not in plants])
+        plants[slot] = statement
+        conv.questions.append(Question(question, f"s{slot[0]}-t{slot[1]}"))
+    for first, update, question in _updates(rng):
+        early = rng.choice([x for x in slots if x not in plants and x[0] < half])
+        late = rng.choice([x for x in slots if x not in plants and x[0] >= half])
+        plants[early], plants[late] = first, update
+        conv.questions.append(Question(question, f"s{late[0]}-t{late[1]}", f"s{early[0]}-t{early[1]}"))
+    for s, t in slots:
+        said = plants.get((s, t)) or rng.choice(FILLER).format(
+            adj=rng.choice(ADJECTIVES),
+            topic=rng.choice(TOPICS),
+            name=rng.choice(NAMES),
+            city=rng.choice(CITIES),
+            job=rng.choice(JOBS),
+            pet=rng.choice(PETS)[0],
+            food=rng.choice(FOODS),
+            hobby=rng.choice(HOBBIES),
+        )
+        conv.exchanges.append((f"s{s}-t{t}", said, rng.choice(REPLIES), START + s * DAY + t * 60))
+    return conv
+
+
+def _rank(hits: list[dict], turn: str) -> int | None:
+    for n, hit in enumerate(hits, start=1):
+        if turn in hit["turn_ids"]:
+            return n
+    return None
+
+
+def quality(
+    embedder: SentenceEmbedder, seeds: list[int], sessions: int, per_session: int
+) -> dict[str, float]:
+    found = {"hybrid": {1: 0, 5: 0, 10: 0}, "vector": {1: 0, 5: 0, 10: 0}}
+    latest_ranks: dict[str, list[int]] = {"hybrid": [], "vector": []}
+    old_ranks: dict[str, list[int]] = {"hybrid": [], "vector": []}
+    latest_first = {"hybrid": 0, "vector": 0}
+    questions = updates = 0
+    for seed in seeds:
+        conv = generate(seed, sessions, per_session)
+        with tempfile.TemporaryDirectory() as tmp:
+            end = START + sessions * DAY
+            agent = AgentMemory(Path(tmp), embedder, clock=lambda end=end: end)
+            index_exchanges(
+                agent,
+                [
+                    Exchange("conv", (turn,), (("user", said), ("assistant", reply)), at)
+                    for turn, said, reply, at in conv.exchanges
+                ],
+            )
+            for q in conv.questions:
+                questions += 1
+                updates += q.superseded is not None
+                for name, use_text in (("hybrid", True), ("vector", False)):
+                    hits = agent.memory_search(q.text, 50, -1.0, use_text=use_text, record_access=False)
+                    rank = _rank(hits, q.evidence)
+                    for k in found[name]:
+                        found[name][k] += rank is not None and rank <= k
+                    if q.superseded is not None:
+                        old = _rank(hits, q.superseded)
+                        latest_ranks[name].append(rank or 51)
+                        old_ranks[name].append(old or 51)
+                        latest_first[name] += (rank or 51) < (old or 51)
+            agent.close()
+    out: dict[str, float] = {"questions": questions, "update_questions": updates}
+    for name in ("hybrid", "vector"):
+        for k, n in found[name].items():
+            out[f"{name}_recall_at_{k}"] = n / questions
+        out[f"{name}_update_latest_mean_rank"] = float(np.mean(latest_ranks[name]))
+        out[f"{name}_update_superseded_mean_rank"] = float(np.mean(old_ranks[name]))
+        out[f"{name}_update_latest_first_share"] = latest_first[name] / max(1, updates)
+    return out
+
+
+WORDS = [f"w{i}" for i in range(5000)]
+
+
+class GivenVectors:
+    """An embedder stand-in for the latency runs: returns the prepared unit vectors in order."""
+
+    name, dim = "given", 384
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        v = self.rng.standard_normal((len(texts), 384)).astype(np.float32)
+        return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def filled(folder: Path, n: int, rng: np.random.Generator) -> AgentMemory:
+    clock = [START]
+    agent = AgentMemory(folder, GivenVectors(rng), clock=lambda: clock[0])
+    agent.clock_cell = clock  # type: ignore[attr-defined]
+    words = rng.integers(0, len(WORDS), size=(n, 12))
+    for start in range(0, n, 5000):
+        batch = [
+            CrystalSpec(" ".join(WORDS[w] for w in words[i]), "note", valid_from=START - (n - i) * 60)
+            for i in range(start, min(n, start + 5000))
+        ]
+        agent.add(batch)
+    return agent
+
+
+def latency(n: int, queries: int, rng: np.random.Generator) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        agent = filled(Path(tmp), n, rng)
+        samples = []
+        for _ in range(queries):
+            text = " ".join(WORDS[w] for w in rng.integers(0, len(WORDS), 4))
+            vector = agent.embedder.embed([text])[0]
+            started = time.perf_counter()
+            agent.memory_search(text, 6, 0.0, vector=vector)
+            samples.append(time.perf_counter() - started)
+        ms = np.array(samples[5:] or samples) * 1000  # the first queries warm the index
+        agent.close()
+    return {
+        f"search_{n}_p50_ms": float(np.percentile(ms, 50)),
+        f"search_{n}_p95_ms": float(np.percentile(ms, 95)),
+    }
+
+
+def consolidation(n: int, rng: np.random.Generator) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        agent = filled(Path(tmp), n, rng)
+        agent.clock_cell[0] += 3 * DAY  # type: ignore[attr-defined]
+        started = time.perf_counter()
+        consolidate(agent)
+        first = time.perf_counter() - started
+        db = agent.db("primary")
+        backlog = db.execute("SELECT count(*) FROM crystals WHERE merge_checked = 0").fetchone()[0]
+        with db:  # steady state: the fill's merge backlog counts as worked through
+            db.execute("UPDATE crystals SET merge_checked = 1")
+        agent.add([CrystalSpec(f"new remark {i}", "note") for i in range(max(1, n // 100))])
+        agent.clock_cell[0] += 1800  # type: ignore[attr-defined]
+        started = time.perf_counter()
+        consolidate(agent)
+        steady = time.perf_counter() - started
+        agent.close()
+    return {
+        f"consolidation_{n}_first_s": first,
+        f"consolidation_{n}_merge_backlog_after_first": backlog,
+        f"consolidation_{n}_steady_s": steady,
+    }
+
+
+def indexing_lag(embedder: SentenceEmbedder, n: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        agent = AgentMemory(Path(tmp), embedder, clock=lambda: START)
+        indexer = TranscriptIndexer(agent)
+        started = time.perf_counter()
+        for i in range(n):
+            indexer.submit(
+                Exchange(
+                    "s", (f"t{i}",), (("user", f"question {i} about the harbour"), ("npc", "aye")), START
+                )
+            )
+        submit_s = time.perf_counter() - started
+        indexer.flush()
+        lags = np.array(indexer.lags_s)
+        indexer.close()
+        agent.close()
+    return {
+        "index_exchanges": n,
+        "index_submit_ms_per_exchange": submit_s / n * 1000,
+        "index_lag_p50_s": float(np.percentile(lags, 50)),
+        "index_lag_p95_s": float(np.percentile(lags, 95)),
+    }
+
+
+def run(smoke: bool = False) -> dict[str, object]:
+    rng = np.random.default_rng(0)
+    embedder = SentenceEmbedder()
+    started = time.perf_counter()
+    embedder.embed(["warm up"])
+    figures: dict[str, object] = {}
+    if smoke:
+        figures.update(quality(embedder, [0], sessions=3, per_session=8))
+        for n in (500,):
+            figures.update(latency(n, 20, rng))
+            figures.update(consolidation(n, rng))
+        figures.update(indexing_lag(embedder, 20))
+        big, small = 500, 500
+    else:
+        figures.update(quality(embedder, [0, 1, 2, 3, 4], sessions=10, per_session=20))
+        for n in (10_000, 100_000):
+            figures.update(latency(n, 200, rng))
+            figures.update(consolidation(n, rng))
+        figures.update(indexing_lag(embedder, 200))
+        big, small = 100_000, 10_000
+    t0 = time.perf_counter()
+    for _ in range(20):
+        embedder.embed(["where does the user live now"])
+    figures["query_embedding_ms"] = (time.perf_counter() - t0) / 20 * 1000
+    figures["total_s"] = time.perf_counter() - started
+    ratios = {
+        "hybrid_over_vector_recall_at_5_ratio": figures["hybrid_recall_at_5"]
+        / max(1e-9, figures["vector_recall_at_5"]),  # type: ignore[operator]
+        "search_p95_over_goal_ratio": figures[f"search_{big}_p95_ms"] / 20.0,  # type: ignore[operator]
+        "consolidation_first_over_goal_ratio": figures[f"consolidation_{small}_first_s"] / 1.0,  # type: ignore[operator]
+    }
+    return {
+        **ratios,
+        "goal": "memory_search p95 <= 20 ms at 100k crystals (search_p95_over_goal_ratio <= 1); "
+        "consolidation of 10k crystals under 1 s (consolidation_first_over_goal_ratio < 1); "
+        "hybrid evidence recall@5 at least vector-only's (hybrid_over_vector_recall_at_5_ratio >= 1)",
+        **figures,
+    }
+
+
+if __name__ == "__main__":
+    from benchmarks.harness import main
+
+    main(run)

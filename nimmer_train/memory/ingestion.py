@@ -1,0 +1,370 @@
+"""Ingestion: workspace memory files, skills and session transcripts become crystals.
+
+- ``MEMORY.md`` and ``memory/*.md``: chunked along Markdown structure (a heading starts a new
+  chunk; paragraphs pack up to ``max_chars``), each chunk with its 1-based line range so
+  ``memory_get`` can quote it. Re-ingesting a file embeds only chunks whose hash is new, moves
+  the line range of unchanged chunks, and expires chunks that are gone; a deleted file's
+  crystals expire. ``memory/scratch.md`` is read one note line per crystal (the
+  working_memory_note format). Invalid UTF-8 or binary files are skipped with a warning that
+  names the file. A file that changes while it is read is read again until it holds still.
+- ``skills/**.md``: the same chunks, as frozen crystals (never decayed).
+- Transcripts: :class:`TranscriptIndexer` turns each exchange into an episode crystal on a
+  background thread (speaker, session id, turn ids, timestamp), so a turn never waits for it.
+- :class:`WorkspaceWatcher` runs ingestion on every change that ``watchfiles`` reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from nimmer_train.memory.agent_memory import SCRATCH, AgentMemory, note_spec
+from nimmer_train.memory.crystals import CrystalSpec, content_hash
+from nimmer_train.memory.player_memory import Mode
+
+log = logging.getLogger(__name__)
+MAX_CHUNK_CHARS = 1600  # Bitterbot's 400 tokens at 4 characters a token
+
+
+@dataclass(frozen=True)
+class Chunk:
+    start_line: int
+    end_line: int
+    text: str
+
+
+def chunk_markdown(text: str, max_chars: int = MAX_CHUNK_CHARS) -> list[Chunk]:
+    """Chunks along headings and blank-line paragraphs, each at most ``max_chars`` unless one
+    line is longer; lines are numbered from 1 and ranges are inclusive."""
+    lines = text.splitlines()
+    blocks: list[tuple[int, int]] = []  # paragraphs and headings as (first, last) indexes
+    start = None
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("#"):
+            if start is not None:
+                blocks.append((start, i - 1))
+            blocks.append((i, i))
+            start = None
+        elif not line.strip():
+            if start is not None:
+                blocks.append((start, i - 1))
+            start = None
+        elif start is None:
+            start = i
+    if start is not None:
+        blocks.append((start, len(lines) - 1))
+
+    chunks: list[Chunk] = []
+    first = last = None
+    size = 0
+    heading_only = False  # a heading stays with the text below it
+
+    def close() -> None:
+        nonlocal first, last, size
+        if first is not None and last is not None:
+            body = "\n".join(lines[first : last + 1]).strip()
+            if body:
+                chunks.append(Chunk(first + 1, last + 1, body))
+        first = last = None
+        size = 0
+
+    for a, b in blocks:
+        heading = a == b and lines[a].lstrip().startswith("#")
+        length = sum(len(lines[i]) + 1 for i in range(a, b + 1))
+        if heading or (first is not None and not heading_only and size + length > max_chars):
+            close()
+        if length > max_chars:  # one long paragraph: split by lines
+            for i in range(a, b + 1):
+                if first is not None and not heading_only and size + len(lines[i]) + 1 > max_chars:
+                    close()
+                first = i if first is None else first
+                last, size, heading_only = i, size + len(lines[i]) + 1, False
+            continue
+        first = a if first is None else first
+        last, size, heading_only = b, size + length, heading
+    close()
+    return chunks
+
+
+def is_memory_file(relative: str) -> bool:
+    parts = Path(relative).parts
+    if relative == "MEMORY.md":
+        return True
+    if len(parts) == 2 and parts[0] == "memory" and parts[1].endswith(".md"):
+        return True
+    return len(parts) >= 2 and parts[0] == "skills" and parts[-1].endswith(".md")
+
+
+def workspace_files(folder: Path) -> list[str]:
+    found = [p for p in [folder / "MEMORY.md"] if p.is_file()]
+    found += sorted((folder / "memory").glob("*.md"))
+    found += sorted((folder / "skills").rglob("*.md"))
+    return [p.relative_to(folder).as_posix() for p in found if p.is_file()]
+
+
+def specs_for(relative: str, text: str) -> list[CrystalSpec]:
+    if relative == SCRATCH:
+        out = []
+        for n, line in enumerate(text.splitlines(), start=1):
+            if line.startswith("- ["):
+                try:
+                    out.append(note_spec(line, relative, n))
+                except Exception:  # noqa: BLE001 - a hand-edited line: indexed as a plain chunk
+                    out.append(CrystalSpec(line[2:], "note", path=relative, start_line=n, end_line=n))
+        return out
+    origin = "skill" if relative.startswith("skills/") else "file"
+    return [
+        CrystalSpec(
+            c.text,
+            origin,
+            path=relative,
+            start_line=c.start_line,
+            end_line=c.end_line,
+            speaker="workspace",
+            lifespan="permanent" if origin == "skill" else "decay",
+        )
+        for c in chunk_markdown(text)
+    ]
+
+
+def _read_settled(path: Path, attempts: int = 5) -> bytes | None:
+    """The file's bytes once two reads agree (a file being written converges), or None if gone."""
+    try:
+        data = path.read_bytes()
+        for _ in range(attempts):
+            again = path.read_bytes()
+            if again == data:
+                return data
+            data = again
+            time.sleep(0.05)
+        return data
+    except FileNotFoundError:
+        return None
+
+
+def ingest_file(agent: AgentMemory, relative: str) -> dict[str, int]:
+    """Bring one workspace file's crystals in step with the file (see the module docstring)."""
+    path = agent.folder / relative
+    counts = {"added": 0, "kept": 0, "expired": 0, "skipped": 0}
+    for _ in range(5):
+        data = _read_settled(path)
+        specs: list[CrystalSpec] = []
+        if data is not None:
+            if b"\x00" in data:
+                log.warning("%s: binary file (NUL byte); skipped, its crystals are left as they were", path)
+                counts["skipped"] = 1
+                return counts
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                log.warning(
+                    "%s: not valid UTF-8 (byte %d); skipped, its crystals are left as they were",
+                    path,
+                    exc.start,
+                )
+                counts["skipped"] = 1
+                return counts
+            specs = specs_for(relative, text)
+        hashes = [s.source_hash or content_hash(s.text) for s in specs]
+        with agent.lock:
+            db = agent.db("primary")
+            existing: dict[str, list[tuple[int, int | None, int | None]]] = {}
+            for entry_id, digest, a, b in db.execute(
+                "SELECT entry_id, content_hash, start_line, end_line FROM crystals WHERE path = ? "
+                "AND lifecycle != 'expired' ORDER BY entry_id",
+                (relative,),
+            ):
+                existing.setdefault(digest, []).append((entry_id, a, b))
+            new, moved = [], []
+            for spec, digest in zip(specs, hashes, strict=True):
+                if existing.get(digest):
+                    entry_id, a, b = existing[digest].pop(0)
+                    counts["kept"] += 1
+                    if (a, b) != (spec.start_line, spec.end_line):
+                        moved.append((spec.start_line, spec.end_line, entry_id))
+                else:
+                    new.append(spec)
+            gone = [entry_id for rows in existing.values() for entry_id, _, _ in rows]
+        vectors = agent.embedder.embed([s.text for s in new]) if new else np.zeros((0, 384), np.float32)
+        if data is not None and _read_settled(path) != data:
+            continue  # edited while we embedded: start again from the new content
+        with agent.lock, agent.db("primary"):
+            db = agent.db("primary")
+            db.executemany("UPDATE crystals SET start_line = ?, end_line = ? WHERE entry_id = ?", moved)
+            reason = "source file deleted" if data is None else "source chunk changed or removed"
+            counts["expired"] = agent.move("primary", gone, "expired", reason)
+            ids = agent.add(new, Mode.REALWORLD, vectors)
+            counts["added"] = len(ids)
+            directives = [i for i, s in zip(ids, new, strict=True) if s.directive]
+            if directives:
+                agent.settle_directives("primary", directives)
+        return counts
+    log.warning("%s: still changing after 5 reads; left for the next change event", path)
+    return counts
+
+
+def ingest_workspace(agent: AgentMemory) -> dict[str, int]:
+    """Ingest every workspace file, and expire the crystals of files that are gone."""
+    total = {"files": 0, "added": 0, "kept": 0, "expired": 0, "skipped": 0}
+    present = workspace_files(agent.folder)
+    known = {
+        r[0]
+        for r in agent.db("primary").execute(
+            "SELECT DISTINCT path FROM crystals WHERE path IS NOT NULL AND lifecycle != 'expired'"
+        )
+    }
+    for relative in sorted(set(present) | known):
+        counts = ingest_file(agent, relative)
+        total["files"] += 1
+        for key, value in counts.items():
+            total[key] += value
+    return total
+
+
+class WorkspaceWatcher:
+    """Ingests workspace files as ``watchfiles`` reports them changed, on a daemon thread."""
+
+    def __init__(self, agent: AgentMemory, debounce_ms: int = 1500) -> None:
+        self.agent, self.debounce_ms = agent, debounce_ms
+        self.stop_event = threading.Event()
+        self.pending: set[str] = set()
+        self.thread = threading.Thread(target=self._run, name="memory-watcher", daemon=True)
+        self.ready = threading.Event()
+
+    def start(self) -> WorkspaceWatcher:
+        self.agent.folder.mkdir(parents=True, exist_ok=True)
+        self.thread.start()
+        self.ready.wait(timeout=30)
+        return self
+
+    def _accept(self, _change: object, path: str) -> bool:
+        try:
+            relative = Path(path).relative_to(self.agent.folder).as_posix()
+        except ValueError:
+            return False
+        return is_memory_file(relative)
+
+    def _run(self) -> None:
+        from watchfiles import watch
+
+        self.ready.set()
+        for changes in watch(
+            self.agent.folder,
+            watch_filter=self._accept,
+            debounce=self.debounce_ms,
+            stop_event=self.stop_event,
+            yield_on_timeout=False,
+        ):
+            self.pending |= {Path(p).relative_to(self.agent.folder).as_posix() for _, p in changes}
+            while self.pending:
+                relative = sorted(self.pending)[0]
+                self.pending.discard(relative)
+                for attempt in range(3):  # a transient failure (a busy store) must not lose the change
+                    try:
+                        ingest_file(self.agent, relative)
+                        break
+                    except Exception:  # a bad file must not stop the watcher
+                        if attempt == 2:
+                            log.exception("ingesting %s failed", relative)
+                        else:
+                            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=30)
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One exchange of a session: its messages as (speaker, text), in order."""
+
+    session_id: str
+    turn_ids: tuple[str, ...]
+    messages: tuple[tuple[str, str], ...]
+    at: float
+    mode: Mode = Mode.REALWORLD
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+def exchange_spec(exchange: Exchange) -> CrystalSpec:
+    text = "\n".join(f"{speaker}: {said}" for speaker, said in exchange.messages)
+    return CrystalSpec(
+        text,
+        "transcript",
+        semantic_type="episode",
+        session_id=exchange.session_id,
+        turn_ids=exchange.turn_ids,
+        speaker=exchange.messages[0][0],
+        valid_from=exchange.at,
+    )
+
+
+def index_exchanges(agent: AgentMemory, exchanges: Iterable[Exchange]) -> list[int]:
+    """Index exchanges now (what the background indexer does per batch)."""
+    ids: list[int] = []
+    batch = list(exchanges)
+    for mode in (Mode.REALWORLD, Mode.IN_BETWEEN):
+        mine = [e for e in batch if e.mode is mode]
+        if mine:
+            ids += agent.add([exchange_spec(e) for e in mine], mode)
+    return ids
+
+
+class TranscriptIndexer:
+    """Indexes submitted exchanges on a daemon thread, in batches; ``lags_s`` records, per
+    exchange, the seconds from submit to commit."""
+
+    def __init__(self, agent: AgentMemory, batch: int = 64) -> None:
+        self.agent, self.batch = agent, batch
+        self.queue: queue.Queue[Exchange | None] = queue.Queue()
+        self.lags_s: list[float] = []
+        self.thread = threading.Thread(target=self._run, name="transcript-indexer", daemon=True)
+        self.thread.start()
+
+    def submit(self, exchange: Exchange) -> None:
+        self.queue.put(exchange)
+
+    def backlog(self) -> int:
+        return self.queue.qsize()
+
+    def _run(self) -> None:
+        while True:
+            first = self.queue.get()
+            if first is None:
+                self.queue.task_done()
+                return
+            items = [first]
+            while len(items) < self.batch:
+                try:
+                    more = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self.queue.put(None)
+                    self.queue.task_done()
+                    break
+                items.append(more)
+            try:
+                index_exchanges(self.agent, items)
+                done = time.monotonic()
+                self.lags_s += [done - e.enqueued for e in items]
+            except Exception:  # keep indexing later exchanges; this batch is logged
+                log.exception("indexing %d exchanges failed", len(items))
+            finally:
+                for _ in items:
+                    self.queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until everything submitted so far is indexed."""
+        self.queue.join()
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout=60)

@@ -1,0 +1,75 @@
+"""The memory tools as an MCP server (the official ``mcp`` SDK, low-level Server, stdio).
+
+The tool list and argument schemas come from the same :class:`ToolRegistry` that Ring C uses,
+so the three faces cannot drift. A call with bad arguments is answered as a tool error
+(``is_error``) whose text names the argument; the server keeps running. Tool functions run on a
+worker thread (SQLite and the embedder are blocking).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mcp_types as types
+from mcp.server.lowlevel.server import Server
+
+from nimmer_train.memory.tools import ToolArgumentError, ToolRegistry, UnknownTool
+
+
+def build_server(registry: ToolRegistry, name: str = "nimmer-memory") -> Server[Any]:
+    async def list_tools(_ctx: Any, _params: Any) -> types.ListToolsResult:
+        return types.ListToolsResult(
+            tools=[
+                types.Tool(name=t.name, description=t.description, input_schema=t.parameters)
+                for t in registry.tools.values()
+            ]
+        )
+
+    async def call_tool(_ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+        try:
+            result = await anyio.to_thread.run_sync(registry.call, params.name, params.arguments or {})
+        except (ToolArgumentError, UnknownTool) as exc:
+            return types.CallToolResult(
+                content=[types.TextContent(type="text", text=str(exc))], is_error=True
+            )
+        text = json.dumps(result, ensure_ascii=False, default=str)
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=text)], structured_content=json.loads(text)
+        )
+
+    return Server(name, on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+def serve_stdio(folder: Path, embedder: Any = None, watch: bool = True) -> None:
+    """``nimmer memory mcp AGENT_DIR``: ingest the workspace, watch it, consolidate on schedule,
+    and answer the memory tools on stdin/stdout until the client closes."""
+    from mcp.server.stdio import stdio_server
+
+    from nimmer_train.memory.agent_memory import AgentMemory
+    from nimmer_train.memory.embedding import SentenceEmbedder
+    from nimmer_train.memory.ingestion import WorkspaceWatcher, ingest_workspace
+    from nimmer_train.memory.scheduler import ConsolidationScheduler
+    from nimmer_train.memory.tools import memory_tools
+
+    agent = AgentMemory(folder, embedder or SentenceEmbedder())
+    ingest_workspace(agent)
+    watcher = WorkspaceWatcher(agent).start() if watch else None
+    if watcher is not None:
+        agent.ingestion_backlog = lambda: {"files_pending": len(watcher.pending)}
+    scheduler = ConsolidationScheduler(agent).start()
+    server = build_server(memory_tools(agent))
+
+    async def main() -> None:
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+    try:
+        anyio.run(main)
+    finally:
+        scheduler.shutdown()
+        if watcher is not None:
+            watcher.stop()
+        agent.close()
