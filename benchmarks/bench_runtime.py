@@ -1,176 +1,245 @@
-"""The serving runtime on the tiny base (a version signed and published here from a fresh tiny
-model with two register LoRAs), CPU, one process per measurement:
+"""Serving throughput and latency, batched engine against the serial path it replaced (issue 18).
 
-- per-turn overhead of the runtime (selection, knobs, prompt assembly over a 2,000-entry player
-  memory, validation, write-back) against the generate call it wraps; goal: at most 10%;
-- schema-constrained decoding (llguidance mask) against unconstrained sampling, per token;
-- adapter switch latency (``set_adapter`` between two loaded LoRAs);
-- ``nimmer serve`` turns per second at concurrency 1 and 4 (a real server process, httpx clients).
+A version is published here from a fresh model (full: the demo base's shape, conf/model/small.yaml;
+smoke: the tiny one) with 5 register LoRAs of random non-zero weights (r=8 on attention and MLP).
+Closed-loop clients (each sends its next turn when its last one is answered), registers assigned
+round-robin, every other turn with the NPC turn JSON schema, the knobs of each register's row;
+half of the batched turns streamed (deltas as they decode), the other half answered whole.
 
-Writes benchmarks/results/bench_runtime.json.  python -m benchmarks.bench_runtime
+- **serial**: the path ``nimmer serve`` had before the engine: one request at a time under a lock,
+  ``set_adapter`` (or ``disable_adapter``) then HF ``generate`` with the knob processors and the
+  schema mask, a global seed. Loaded as a second, unpatched copy of the same version.
+- **batched**: :class:`~nimmer_train.runtime.engine.Engine` through ``LocalModel.prepare`` (what
+  Ring A and ``nimmer serve`` run): mixed registers per batch, rows joining between steps.
+
+Figures: turns/s and tokens/s per concurrency (1, 2, 4, 8, 16), p50/p95 turn latency, time to
+first token (batched), the mean batch size. Both paths in-process (no HTTP), one run, so the
+ratios share whatever load the machine has; the load average is reported beside them.
+
+    python -m benchmarks.bench_runtime [--smoke]
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
+import os
+import queue
 import statistics
 import tempfile
+import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-import httpx
-
-from nimmer_train.artifacts import write_json_atomic, write_manifest
-from nimmer_train.loras.adapters import METADATA
-from nimmer_train.publish.release import PublishRequest, publish_version
-from nimmer_train.publish.signing import generate_key
-from nimmer_train.runtime.local_model import LocalModel
-from nimmer_train.runtime.rings import RingA
-from nimmer_train.runtime.stage import _request, serve_process
-from nimmer_train.runtime.turn import NpcRuntime
-from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, AffectState, MemoryScope, TurnPrompt, render_compact
-from nimmer_train.voice.registers import load_catalogue
-from nimmer_train.voice.sampling import for_turn
-from tests.helpers.flower_deployment import tiny_release
-from tests.helpers.memory import HashEmbedder
-
-TURNS, TOKENS, SERVE_TURNS = 16, 48, 24
+GOAL = (
+    "batched turns/s at concurrency 8 >= 3x concurrency 1 (stretch 4x); batched c=1 within 10% of the "
+    "serial path (ratio >= 0.9); p95 latency at c=8 <= 3x p50 at c=1"
+)
 
 
-def publish_tiny(root: Path) -> tuple[Path, Path]:
-    base, adapter, params = tiny_release(root / "release")
-    lineage = {
-        "dataset_fingerprint": "0" * 64,
-        "dataset_dir": str(root / "no-corpus" / "dataset"),
-        "config_hash": "0" * 64,
-        "git_commit": "bench",
-        "model": {"name": "tiny", "family": "llama"},
-        "train": {},
-        "metrics": {"parameters": params},
-    }
-    write_manifest(base, "base", "bench-base", lineage)
-    second = root / "release" / "adapter-2"
-    shutil.copytree(adapter, second)
-    meta = json.loads((second / METADATA).read_text())
-    write_json_atomic(second / METADATA, {**meta, "register": "drunk-scavenger"})
-    write_manifest(second, "register_adapter", "bench-2", {})
-    key = root / "keys" / "publisher.key"
-    generate_key(key, root / "keys" / "trusted")
-    publish_version(root / "releases", key, PublishRequest(base, [adapter, second]))
-    return root / "releases", root / "keys" / "trusted"
+def _serial_path(releases: Path, trusted: Path) -> Any:
+    """The pre-engine LocalModel.generate, kept here as the baseline (one request at a time)."""
+    import torch
+
+    from nimmer_train.base.tokenizer import end_of_turn_ids
+    from nimmer_train.publish.signing import Keyring
+    from nimmer_train.publish.versions import load_verified, open_version
+    from nimmer_train.runtime.structured import SchemaMask, bounded, chars_per_token
+    from nimmer_train.voice.sampling import NEUTRAL_WARPERS, knob_processors
+
+    model, tokenizer = load_verified(open_version(releases, "v1", Keyring.load(trusted)))
+    stop_ids, density, lock = end_of_turn_ids(tokenizer), chars_per_token(tokenizer), threading.Lock()
+    n_vocab = int(model.config.vocab_size)
+    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+
+    def generate(
+        messages: list[dict[str, str]], register: str | None, knobs: Any, schema: Any, seed: int
+    ) -> int:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+        ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+        processors = knob_processors(knobs, ids.shape[1])
+        if schema is not None:
+            fitted = bounded(schema, knobs.max_new_tokens, density, count)
+            processors.insert(0, SchemaMask(tokenizer, fitted, n_vocab, ids.shape[1], knobs.max_new_tokens))
+        kwargs = {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "logits_processor": processors,
+            **NEUTRAL_WARPERS,
+            "max_new_tokens": knobs.max_new_tokens,
+            "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": stop_ids,
+        }
+        with lock, torch.no_grad():
+            torch.manual_seed(seed)
+            if register is None:
+                with model.disable_adapter():
+                    out = model.generate(**kwargs)
+            else:
+                model.set_adapter(register)
+                out = model.generate(**kwargs)
+        return int(out.shape[1] - ids.shape[1])
+
+    return generate
 
 
-def main() -> None:
-    warnings.filterwarnings("ignore")
+def _workload(registers: list[str], tokens: int, turns: int) -> list[tuple[Any, ...]]:
+    from nimmer_train.voice.prompt_dsl import (
+        TURN_SCHEMA,
+        AffectState,
+        MemoryScope,
+        TurnPrompt,
+        render_compact,
+    )
+    from nimmer_train.voice.registers import load_catalogue
+    from nimmer_train.voice.sampling import for_turn
+
     catalogue = load_catalogue()
-    report: dict[str, object] = {"turns": TURNS, "max_new_tokens": TOKENS}
-    with tempfile.TemporaryDirectory() as tmp:
-        releases, trusted = publish_tiny(Path(tmp))
-        model = LocalModel.open(releases, "v1", trusted)
-        register = "caste-preacher"
-        traits = catalogue.get(register).traits
-        from nimmer_train.memory.sync import open_player
-
-        memory, _ = open_player(Path(tmp) / "player", HashEmbedder())
-        memory.write_many(
-            [
-                {
-                    "text": f"memory {i}: the gate, the water, ration {i % 97}",
-                    "speaker": "npc:oran",
-                    "memory_class": "working",
-                    "data_category": "casual_dialog",
-                }
-                for i in range(2000)
-            ]
-        )
-        runtime = NpcRuntime(
-            catalogue,
-            {"casual": RingA(model)},
-            memory=memory,
-            registers=[register, "drunk-scavenger"],
-            max_new_tokens=TOKENS,
-        )
-        runtime.speak(_request(register, traits, "casual"))  # warm: llguidance tokenizer, caches
-        turns = [runtime.speak(_request(register, traits, "casual")) for _ in range(TURNS)]
-        gen = statistics.median(t.timings["generate"] for t in turns)
-        over = statistics.median(t.seconds - t.timings["generate"] for t in turns)
-        report["overhead"] = {
-            "generate_s": round(gen, 4),
-            "runtime_s": round(over, 5),
-            "ratio": round(over / gen, 4),
-            "parts_median_s": {
-                k: round(statistics.median(t.timings[k] for t in turns), 5) for k in turns[0].timings
-            },
-        }
-        knobs = for_turn(catalogue, register, traits, 0.5, 0.0)
-        knobs = dataclasses.replace(knobs, max_new_tokens=TOKENS)
+    out = []
+    for i in range(turns):
+        register = registers[i % len(registers)]
+        spec = catalogue.get(register)
         prompt = TurnPrompt(
-            role=catalogue.get(register).role,
-            trait_vector=traits,
-            affect_state=AffectState("calm"),
+            role=spec.role,
+            trait_vector=spec.traits,
+            affect_state=AffectState("watchful", valence=-0.1, arousal=0.5),
             memory_scope=MemoryScope(),
-            turn_intent="answer the player",
-            zone_context="the water gate at dusk",
-            player_utterance="What news from the gate?",
+            turn_intent="answer the player in your own register",
+            zone_context=f"the lower ring at dusk, by gate {i % 7}",
+            player_utterance="What news from the gate tonight?",
         )
-        messages = render_compact(prompt)
-        per_token = {}
-        for name, schema in (("unconstrained", None), ("constrained", TURN_SCHEMA)):
-            runs = [model.generate(messages, register, knobs, schema, seed=i) for i in range(TURNS)]
-            per_token[name] = statistics.median(g.seconds / max(1, g.completion_tokens) for g in runs)
-        report["constrained_decoding"] = {
-            "unconstrained_ms_per_token": round(per_token["unconstrained"] * 1e3, 3),
-            "constrained_ms_per_token": round(per_token["constrained"] * 1e3, 3),
-            "ratio": round(per_token["constrained"] / per_token["unconstrained"], 3),
-        }
-        switches = []
-        for i in range(200):
-            start = time.perf_counter()
-            model.model.set_adapter(("caste-preacher", "drunk-scavenger")[i % 2])
-            switches.append(time.perf_counter() - start)
-        switches.sort()
-        report["adapter_switch_ms"] = {
-            "p50": round(switches[100] * 1e3, 3),
-            "p99": round(switches[197] * 1e3, 3),
-        }
-        memory.close()
+        knobs = dataclasses.replace(for_turn(catalogue, register, spec.traits), max_new_tokens=tokens)
+        out.append((render_compact(prompt), register, knobs, TURN_SCHEMA if i % 2 else None, 1000 + i))
+    return out
 
-        with serve_process(releases, "v1", trusted) as url:
-            body = {
-                "model": f"{model.label}:caste-preacher",
-                "messages": messages,
-                "max_tokens": TOKENS,
-                **{k: v for k, v in knobs.as_dict().items() if k != "max_new_tokens"},
-                "response_format": {
-                    "type": "json_schema",
-                    "json_schema": {"name": "turn", "schema": TURN_SCHEMA},
-                },
-            }
-            with httpx.Client(timeout=120) as client:
-                client.post(f"{url}/chat/completions", json=body).raise_for_status()  # warm
-                serve = {}
-                for concurrency in (1, 4):
-                    start = time.perf_counter()
-                    with ThreadPoolExecutor(concurrency) as pool:
-                        replies = list(
-                            pool.map(
-                                lambda _: client.post(f"{url}/chat/completions", json=body),
-                                range(SERVE_TURNS),
-                            )
-                        )
-                    wall = time.perf_counter() - start
-                    assert all(r.status_code == 200 for r in replies)
-                    serve[f"concurrency_{concurrency}"] = round(SERVE_TURNS / wall, 2)
-        report["serve_turns_per_s"] = serve
-    print(json.dumps(report, indent=2))
-    out = Path(__file__).parent / "results" / "bench_runtime.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+
+def _closed_loop(turn: Any, work: list[tuple[Any, ...]], concurrency: int) -> dict[str, Any]:
+    """Run ``work`` with ``concurrency`` closed-loop clients; ``turn(item)`` -> (tokens, ttft_s)."""
+    items: queue.Queue = queue.Queue()
+    for item in work:
+        items.put(item)
+    latencies, tokens, ttfts, lock = [], [], [], threading.Lock()
+
+    def client() -> None:
+        while True:
+            try:
+                item = items.get_nowait()
+            except queue.Empty:
+                return
+            start = time.perf_counter()
+            n, ttft = turn(item)
+            with lock:
+                latencies.append(time.perf_counter() - start)
+                tokens.append(n)
+                if ttft is not None:
+                    ttfts.append(ttft)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    latencies.sort()
+    return {
+        "turns_per_s": round(len(work) / wall, 3),
+        "tokens_per_s": round(sum(tokens) / wall, 1),
+        "p50_s": round(statistics.median(latencies), 4),
+        "p95_s": round(latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))], 4),
+        "ttft_p50_s": round(statistics.median(ttfts), 4) if ttfts else None,
+    }
+
+
+def run(smoke: bool = False) -> dict[str, object]:
+    warnings.filterwarnings("ignore")
+    from nimmer_train.config import ModelConfig
+    from nimmer_train.runtime.engine import Delta, Done, Failed
+    from nimmer_train.runtime.local_model import LocalModel
+    from tests.helpers.published import REGISTERS, publish_registers
+
+    if smoke:
+        shape, levels, turns, tokens, registers = ModelConfig(name="tiny"), (1, 2), 4, 8, REGISTERS[:2]
+    else:
+        shape = ModelConfig(
+            name="small",
+            hidden_size=256,
+            intermediate_size=704,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=1024,
+        )
+        levels, turns, tokens, registers = (1, 2, 4, 8, 16), 32, 64, REGISTERS
+    import torch
+
+    torch.set_num_threads(1)  # both paths alike (the engine's default; see engine.py)
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        releases, trusted = publish_registers(Path(tmp), registers, shape, vocab=512 if smoke else 4096)
+        serial = _serial_path(releases, trusted)
+        model = LocalModel.open(releases, "v1", trusted)
+        work = _workload(list(registers), tokens, turns)
+
+        def batched(item: tuple[Any, ...]) -> tuple[int, float | None]:
+            messages, register, knobs, schema, seed = item
+            stream = seed % 4 >= 2  # half the turns streamed (their time to first token measured)
+            events: queue.Queue = queue.Queue()
+            job = model.prepare(messages, register, knobs, schema, seed, sink=events.put, stream=stream)
+            model.engine.submit(job)
+            first = None
+            while True:
+                event = events.get()
+                if isinstance(event, Delta) and first is None:  # streamed turns: time to first token
+                    first = time.perf_counter() - job.submitted
+                if isinstance(event, Failed):
+                    raise RuntimeError(event.message)
+                if isinstance(event, Done):
+                    return event.completion_tokens, first
+
+        def one_at_a_time(item: tuple[Any, ...]) -> tuple[int, None]:
+            return serial(*item), None
+
+        for fn in (batched, one_at_a_time):  # warm: llguidance tokenizer, grammars, kernels
+            _closed_loop(fn, work[:2], 1)
+        table: dict[str, dict[str, Any]] = {}
+        for c in levels:
+            steps, rows = model.engine.metrics.batch_size.n, model.engine.metrics.batch_size.total
+            b = _closed_loop(batched, work, c)
+            b["mean_batch"] = round(
+                (model.engine.metrics.batch_size.total - rows)
+                / max(1, model.engine.metrics.batch_size.n - steps),
+                2,
+            )
+            table[f"c{c}"] = {"batched": b, "serial": _closed_loop(one_at_a_time, work, c)}
+        model.close()
+    b1, s1 = table["c1"]["batched"], table["c1"]["serial"]
+    top = f"c{8 if 8 in levels else levels[-1]}"
+    bt = table[top]["batched"]
+    return {
+        f"batched_{top}_over_c1_turns_ratio": round(bt["turns_per_s"] / b1["turns_per_s"], 3),
+        "batched_c1_over_serial_c1_turns_ratio": round(b1["turns_per_s"] / s1["turns_per_s"], 3),
+        f"p95_{top}_over_p50_c1_ratio": round(bt["p95_s"] / b1["p50_s"], 3),
+        f"batched_over_serial_{top}_turns_ratio": round(
+            bt["turns_per_s"] / table[top]["serial"]["turns_per_s"], 3
+        ),
+        "goal": GOAL,
+        f"ttft_p50_{top}_s": bt["ttft_p50_s"],
+        "by_concurrency": table,
+        "setup": {
+            "model": shape.name,
+            "registers": len(registers),
+            "turns_per_level": turns,
+            "max_new_tokens": tokens,
+            "schema_turns": "every other",
+            "torch_threads": __import__("torch").get_num_threads(),
+            "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        },
+    }
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.harness import main
+
+    main(run)

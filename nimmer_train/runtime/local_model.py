@@ -1,23 +1,30 @@
 """Ring A (and what ``nimmer serve`` runs): a verified version with every register LoRA that fits
-it, one adapter per call, sampling knobs and optional schema-constrained decoding."""
+it, served by one batching :class:`~nimmer_train.runtime.engine.Engine` (each request its own
+adapter, knobs, seed and schema), with adapters loaded and unloaded at run time only as the
+signed version registry allows."""
 
 from __future__ import annotations
 
-import threading
-import time
+import dataclasses
+import logging
+import queue
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import LogitsProcessorList
-
 from nimmer_train.base.tokenizer import end_of_turn_ids
 from nimmer_train.errors import NimmerError
 from nimmer_train.publish.signing import Keyring
-from nimmer_train.publish.versions import VerifiedVersion, load_verified, open_version
-from nimmer_train.runtime.structured import SchemaMask, bounded, chars_per_token
-from nimmer_train.voice.sampling import NEUTRAL_WARPERS, SamplingKnobs, knob_processors
+from nimmer_train.publish.versions import CompatibilityError, VerifiedVersion, load_verified, open_version
+from nimmer_train.runtime.engine import Delta, Done, Engine, Event, Failed, Job, random_seed
+from nimmer_train.runtime.structured import RowGrammar, bounded, chars_per_token
+from nimmer_train.voice.sampling import SamplingKnobs
+
+log = logging.getLogger(__name__)
+
+
+class AdapterBusy(NimmerError):
+    """A register's LoRA cannot be unloaded while a running or waiting request uses it."""
 
 
 @dataclass(frozen=True)
@@ -27,14 +34,32 @@ class Generation:
     completion_tokens: int
     seconds: float
     adapter: str | None  # the LoRA applied; None: the bare version
+    finish_reason: str = "stop"  # stop | length
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_batch: int = 16  # rows decoded together
+    window_s: float = 0.004  # an idle engine waits this long for company before a prefill
+    max_waiting: int = 64  # rows queued beyond the batch (then 429 with Retry-After)
+    threads: int = 1  # torch intra-op threads of the decode thread (more on a free many-core host)
+    prefix_cache_entries: int = 32  # recent prompts whose KV a new prompt's common prefix reuses
 
 
 class LocalModel:
-    """One loaded version. ``generate`` is serialised (the active adapter is model-wide state)."""
+    """One loaded version and the engine that decodes for it (started at once)."""
 
-    def __init__(self, version: VerifiedVersion, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        version: VerifiedVersion,
+        device: str = "cpu",
+        releases: Path | None = None,  # with keyring: adapters can be (re)loaded from the registry
+        keyring: Keyring | None = None,
+        settings: EngineSettings | None = None,
+    ) -> None:
         self.version = version
         self.label = version.label
+        self.releases, self.keyring = releases, keyring
         # both from one private copy whose bytes were hashed as read: what runs is what was verified
         self.model, self.tokenizer = load_verified(version, device=device)
         self.stop_ids = end_of_turn_ids(self.tokenizer)  # the chat template's end of turn, then EOS
@@ -45,11 +70,20 @@ class LocalModel:
         self.n_vocab = int(self.model.config.vocab_size)
         self.context_tokens = int(self.model.config.max_position_embeddings)
         self.device = device
-        self._lock = threading.Lock()
+        settings = settings or EngineSettings()
+        self.engine = Engine(self.model, self.tokenizer, self.stop_ids, **dataclasses.asdict(settings))
 
     @classmethod
-    def open(cls, releases: Path, name: str, trusted_keys: Path, device: str = "cpu") -> LocalModel:
-        return cls(open_version(releases, name, Keyring.load(trusted_keys)), device)
+    def open(
+        cls,
+        releases: Path,
+        name: str,
+        trusted_keys: Path,
+        device: str = "cpu",
+        settings: EngineSettings | None = None,
+    ) -> LocalModel:
+        keyring = Keyring.load(trusted_keys)
+        return cls(open_version(releases, name, keyring), device, releases, keyring, settings)
 
     def adapter_for(self, register: str | None) -> str | None:
         """The LoRA that voices ``register`` on this version (None: the bare weights carry it)."""
@@ -62,6 +96,52 @@ class LocalModel:
             )
         return register
 
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def prepare(
+        self,
+        messages: list[dict[str, str]],
+        register: str | None,
+        knobs: SamplingKnobs,
+        schema: dict[str, Any] | None = None,
+        seed: int | None = None,
+        *,
+        sink: Any = None,
+        n: int = 1,
+        stop: tuple[str, ...] = (),
+        logprobs: int | None = None,
+        prompt: list[int] | None = None,
+        stream: bool = True,
+    ) -> Job:
+        """The engine's job for one request: the template applied, the grammar compiled (one per
+        row), the seeds fixed (row i of a seeded request: ``seed + i``). The costly part of a
+        request, done in the caller's thread, never on the decode thread."""
+        adapter = self.adapter_for(register)
+        ids = prompt if prompt is not None else self.prompt_ids(messages)
+        grammars: list[Any] = [None] * n
+        if schema is not None:
+            # the knobs act after the mask (a token the grammar forbids takes no part in top-k /
+            # top-p / min-p); the string caps are sized to close within the budget
+            fitted = bounded(schema, knobs.max_new_tokens, self.chars_per_token, self._count)
+            grammars = [
+                RowGrammar(self.tokenizer, fitted, self.n_vocab, knobs.max_new_tokens) for _ in range(n)
+            ]
+        seeds = [(seed + i) % 2**63 if seed is not None else random_seed() for i in range(n)]
+        return Job(
+            ids,
+            adapter,
+            knobs,
+            seeds,
+            grammars,
+            sink or (lambda event: None),
+            tuple(stop),
+            logprobs,
+            register=adapter or "base",
+            stream=stream,
+        )
+
     def generate(
         self,
         messages: list[dict[str, str]],
@@ -70,45 +150,124 @@ class LocalModel:
         schema: dict[str, Any] | None = None,
         seed: int | None = None,
     ) -> Generation:
-        adapter = self.adapter_for(register)
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-        ids = (ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids).to(self.device)
-        # the knobs as processors, after the schema mask (a token the grammar forbids takes no part
-        # in top-k / top-p / min-p); the repetition penalty counts generated tokens only
-        processors = knob_processors(knobs, ids.shape[1])
-        if schema is not None:
-            budget = knobs.max_new_tokens
-            fitted = bounded(schema, budget, self.chars_per_token, self._count)
-            processors.insert(0, SchemaMask(self.tokenizer, fitted, self.n_vocab, ids.shape[1], budget))
-        with self._lock:
-            started = time.perf_counter()
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self._generate(ids, adapter, processors, knobs.max_new_tokens)
-            seconds = time.perf_counter() - started
-        new = out[0, ids.shape[1] :]
-        text = self.tokenizer.decode(new, skip_special_tokens=True)
-        return Generation(text, int(ids.shape[1]), int(new.shape[0]), seconds, adapter)
+        """One reply through the engine, batched with whatever else is running (Ring A). A
+        player's text cannot forge a turn: the tokenizer's special tokens are taken out of every
+        message but the system prompt the runtime wrote (the server refuses them with a 400)."""
+        messages = self.defused(messages)
+        events: queue.Queue[Event] = queue.Queue()
+        job = self.prepare(messages, register, knobs, schema, seed, sink=events.put, stream=False)
+        self.engine.submit(job)
+        while True:
+            event = events.get()
+            if isinstance(event, Failed):
+                raise NimmerError(f"generation failed: {event.message}")
+            if isinstance(event, Done):
+                seconds = _now() - job.submitted
+                return Generation(
+                    event.text,
+                    len(job.prompt),
+                    event.completion_tokens,
+                    seconds,
+                    job.adapter,
+                    event.finish_reason,
+                )
+            assert isinstance(event, Delta)
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The tokenizer's special tokens (``<|im_end|>``...): never allowed inside a message."""
+        return tuple(t for t in getattr(self.tokenizer, "all_special_tokens", ()) if t)
+
+    def defused(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """``messages`` with every special token removed from all but system messages."""
+        out = []
+        for message in messages:
+            content = message["content"]
+            if message["role"] != "system":
+                for token in self.special_tokens:
+                    content = content.replace(token, "")
+                if content != message["content"]:
+                    log.warning("removed special tokens from a %s message (a forged turn?)", message["role"])
+            out.append({**message, "content": content})
+        return out
 
     def _count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _generate(
-        self, ids: torch.Tensor, adapter: str | None, processors: LogitsProcessorList, max_new: int
-    ) -> torch.Tensor:
-        kwargs = {
-            "input_ids": ids,
-            "attention_mask": torch.ones_like(ids),
-            "logits_processor": processors,
-            **NEUTRAL_WARPERS,
-            "max_new_tokens": max_new,
-            "pad_token_id": self.tokenizer.pad_token_id,
-            "eos_token_id": self.stop_ids,
-        }
-        with torch.no_grad():
-            if adapter is None and hasattr(self.model, "disable_adapter"):
-                with self.model.disable_adapter():
-                    return self.model.generate(**kwargs)
-            if adapter is not None:
-                self.model.set_adapter(adapter)
-            return self.model.generate(**kwargs)
+    # --- adapters at run time, only as the signed registry allows ----------------------------
+
+    def load_register(self, register: str) -> None:
+        """Load ``register``'s LoRA: the version is re-verified against the registry and its
+        signed manifest, and only a LoRA they say fits it is loaded (never a path)."""
+        if self.releases is None or self.keyring is None:
+            raise NimmerError("this model was not opened from a releases folder; adapters are fixed")
+        if register in self.registers:
+            return
+        version = open_version(self.releases, self.label, self.keyring)
+        if register not in version.loras:
+            raise CompatibilityError(
+                f"the registry lists no signed LoRA for register {register!r} that fits {self.label}; "
+                f"fitting: {', '.join(sorted(version.loras)) or 'none'}"
+            )
+        from nimmer_train.publish.versions import verified_copy
+
+        one = dataclasses.replace(
+            version,
+            loras={register: version.loras[register]},
+            lora_files={register: version.lora_files[register]},
+        )
+        with verified_copy(one) as copy:
+            self.engine.call(lambda: self._attach(register, copy.loras[register])).result()
+        self.version = version
+        self.registers = sorted({*self.registers, register})
+
+    def unload_register(self, register: str) -> None:
+        """Unload ``register``'s LoRA (refused while a running or waiting request uses it)."""
+        if register not in self.registers:
+            raise CompatibilityError(f"no LoRA for register {register!r} is loaded on {self.label}")
+        self.registers = [r for r in self.registers if r != register]  # no new requests for it
+        try:
+            self.engine.call(lambda: self._detach(register)).result()
+        except Exception:
+            self.registers = sorted({*self.registers, register})
+            raise
+
+    def _attach(self, register: str, folder: Path) -> None:  # on the decode thread
+        from peft import PeftModel
+
+        from nimmer_train.runtime.stacked_lora import StackedLora
+
+        if isinstance(self.model, PeftModel):
+            self.model.load_adapter(folder, adapter_name=register, is_trainable=False)
+        else:
+            self.model = PeftModel.from_pretrained(self.model, folder, adapter_name=register).eval()
+            self.engine.model = self.model
+        if self.engine.lora is None:
+            self.engine.lora = StackedLora(self.model)
+        else:
+            self.engine.lora.rebuild()
+        self.engine.prefixes.clear()
+
+    def _detach(self, register: str) -> None:  # on the decode thread
+        busy = [r for r in self.engine.rows if r.job.adapter == register]
+        with self.engine.cond:  # accepted and waiting for the batch: they would fail at prefill
+            queued = [j for j in self.engine.waiting if j.adapter == register and not j.cancelled]
+        if busy or queued:
+            raise AdapterBusy(
+                f"register {register!r} is speaking in {len(busy)} rows and {len(queued)} requests "
+                "wait for it; unload it later"
+            )
+        self.model.delete_adapter(register)
+        assert self.engine.lora is not None
+        self.engine.lora.rebuild()
+        self.engine.prefixes.clear()
+
+    def close(self) -> None:
+        """Finish what was accepted, then stop the engine."""
+        self.engine.close(drain=True)
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()

@@ -1,29 +1,44 @@
-"""``nimmer serve``: an OpenAI-compatible HTTP server over one verified version (Ring B).
+"""``nimmer serve``: an OpenAI-compatible HTTP server over one verified version (Ring B), every
+request decoded by the model's batching engine (:mod:`nimmer_train.runtime.engine`).
 
-``GET /v1/models`` lists the version and one ``<version>:<register>`` entry per fitting LoRA, as
-vLLM lists LoRA modules; ``POST /v1/chat/completions`` applies the adapter the ``model`` field
-names, honours temperature, top_p, top_k, min_p, repetition_penalty, max_tokens and seed, and
-enforces ``response_format`` (``json_schema`` with the schema, or ``json_object``) while decoding.
-Errors use OpenAI's error body. Streaming is not offered (``stream: true`` is refused with 400).
+- ``GET /v1/models`` lists the version and one ``<version>:<register>`` entry per loaded LoRA, as
+  vLLM lists LoRA modules.
+- ``POST /v1/chat/completions`` applies the adapter the ``model`` field names; honours
+  temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, ``stop``, ``n``,
+  ``logprobs``/``top_logprobs``; enforces ``response_format`` (``json_schema`` or
+  ``json_object``) while decoding; ``stream: true`` answers with Server-Sent Events in OpenAI's
+  chunk format (``stream_options.include_usage`` adds the usage chunk; then ``data: [DONE]``; an
+  error mid-stream is an ``error`` object). A client that disconnects, streaming or not, frees
+  its rows at once.
+- ``GET /health``: 503 while the model loads or once the engine has stopped, else 200.
+- ``GET /metrics``: Prometheus text (:mod:`nimmer_train.runtime.serve_metrics`).
+- A full queue answers 429 with ``Retry-After``; shutdown finishes the turns already accepted.
+- With ``adapter_updates``: ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``
+  ``{"lora_name": "<register>"}``, only for LoRAs the signed version registry says fit.
 
-Requests are checked by :mod:`nimmer_train.runtime.request_limits` before the engine sees them:
-body and schema size caps, ``max_tokens`` clamped to the context left after the prompt, only
-schemas that compile cached, 400s naming the field, and optional bearer-token authentication
-(``nimmer serve --api-key-env VAR``, required to bind beyond loopback).
+Requests are checked by :mod:`nimmer_train.runtime.request_limits` before the engine sees them.
+Template and grammar work runs on one preparation thread, never on the decode thread.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
+import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from nimmer_train.runtime.local_model import Generation, LocalModel
+from nimmer_train.errors import NimmerError
+from nimmer_train.runtime.engine import Delta, Done, EngineClosed, Failed, Job, QueueFull
+from nimmer_train.runtime.local_model import AdapterBusy, LocalModel
 from nimmer_train.runtime.request_limits import (
     ChatRequest,
     RequestError,
@@ -37,8 +52,10 @@ from nimmer_train.runtime.request_limits import (
 log = logging.getLogger(__name__)
 
 
-def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(RequestError(status, message, code, param).body(), status_code=status)
+def _error(status: int, message: str, code: str, param: str | None = None, **headers: str) -> JSONResponse:
+    return JSONResponse(
+        RequestError(status, message, code, param).body(), status_code=status, headers=headers
+    )
 
 
 def model_ids(model: LocalModel) -> list[str]:
@@ -52,53 +69,251 @@ def prompt_tokens(model: LocalModel, messages: list[dict[str, str]]) -> int:
     return len(ids)
 
 
-def create_app(model: LocalModel, api_key: str | None = None, limits: ServeLimits | None = None) -> FastAPI:
-    """The server over ``model``; with ``api_key`` every route needs ``Authorization: Bearer``."""
-    app = FastAPI(title="nimmer serve", version="1")
-    created = int(time.time())
+class _Holder:
+    """The model once loaded (a loader runs in a thread at start-up: /health says 503 meanwhile)."""
+
+    def __init__(self, model: LocalModel | Callable[[], LocalModel]) -> None:
+        loader = callable(model) and not hasattr(model, "engine")
+        self.model: LocalModel | None = None if loader else model  # type: ignore[assignment]
+        self.loader = model if loader else None
+        self.owned = self.model is None  # loaded here: closed here
+        self.error: str | None = None
+
+    def load(self) -> None:
+        try:
+            self.model = self.loader()  # type: ignore[misc]
+        except Exception as exc:
+            log.exception("loading the model failed")
+            self.error = f"{type(exc).__name__}: {exc}"
+
+
+def create_app(
+    model: LocalModel | Callable[[], LocalModel],
+    api_key: str | None = None,
+    limits: ServeLimits | None = None,
+    adapter_updates: bool = False,
+) -> FastAPI:
+    """The server over ``model`` (or over what the callable loads, in a thread at start-up);
+    with ``api_key`` every route but /health needs ``Authorization: Bearer``."""
+    holder = _Holder(model)
     limits = limits or ServeLimits()
     schemas = SchemaCache(limits.schema_cache_size)
+    prep = ThreadPoolExecutor(
+        1, thread_name_prefix="nimmer-prep"
+    )  # templates, grammars: off the decode thread
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if holder.loader is not None:
+            threading.Thread(target=holder.load, name="nimmer-load", daemon=True).start()
+        yield
+        if holder.model is not None:  # graceful: every accepted turn finishes
+            engine = holder.model.engine
+            while engine.alive and (engine.rows or engine.waiting):
+                await asyncio.sleep(0.05)
+            if holder.owned:
+                await asyncio.to_thread(holder.model.close)
+        prep.shutdown(wait=False)
+
+    app = FastAPI(title="nimmer serve", version="2", lifespan=lifespan)
     app.state.schemas = schemas
+    app.state.holder = holder
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Any:
-        try:
-            check_bearer(request.headers.get("authorization"), api_key)
-        except RequestError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"})
+        if request.url.path != "/health":
+            try:
+                check_bearer(request.headers.get("authorization"), api_key)
+            except RequestError as exc:
+                return JSONResponse(
+                    exc.body(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"}
+                )
+        if holder.model is None and request.url.path.startswith("/v1/"):
+            why = holder.error or "the model is loading"
+            return _error(503, f"not ready: {why}", "not_ready", **{"Retry-After": "5"})
         return await call_next(request)
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        if holder.model is None:
+            return JSONResponse({"status": "error" if holder.error else "loading"}, status_code=503)
+        engine = holder.model.engine
+        if not engine.alive or engine.closing:
+            return JSONResponse({"status": "stopping" if engine.alive else "engine_failed"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": holder.model.label})
+
+    @app.get("/metrics")
+    def metrics() -> PlainTextResponse:
+        if holder.model is None:
+            return PlainTextResponse("", status_code=503)
+        engine = holder.model.engine
+        text = engine.metrics.render(len(engine.rows), len(engine.waiting))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        return _model_list(model, created)
+        assert holder.model is not None
+        return _model_list(holder.model, created)
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> JSONResponse:
+    async def chat(request: Request) -> Any:
+        m = holder.model
+        assert m is not None
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(event: Any) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
         try:
             body = await read_json(request, limits)
-            req = await run_in_threadpool(
-                check_chat,
-                body,
-                model_ids(model),
-                model.context_tokens,
-                lambda messages: prompt_tokens(model, messages),
-                limits,
-                schemas,
-            )
+            req, job = await loop.run_in_executor(prep, _prepare, m, body, limits, schemas, sink)
         except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        try:
-            out = await run_in_threadpool(
-                model.generate, req.messages, req.register, req.knobs, req.schema, req.seed
-            )
         except ValueError as exc:  # a schema the engine's grammar cannot use after all
             return _error(400, str(exc), "invalid_response_format", "response_format")
-        except Exception:  # never a bare 500 page: OpenAI's error body, the trace in the log
-            log.exception("generation failed")
-            return _error(500, "the server failed to generate a reply", "server_error")
-        return JSONResponse(_completion(model, req, out))
+        except NimmerError as exc:  # e.g. a register unloaded since the check
+            return _error(404, str(exc), "model_not_found", "model")
+        try:
+            m.engine.submit(job)
+        except QueueFull as exc:
+            return _error(429, str(exc), "rate_limit_exceeded", **{"Retry-After": str(exc.retry_after_s)})
+        except EngineClosed as exc:
+            return _error(503, str(exc), "shutting_down")
+        except NimmerError as exc:  # n beyond this engine's batch
+            return _error(400, f"n: {exc}", "invalid_value", "n")
+        if req.stream:
+            return StreamingResponse(
+                _stream(m, req, job, events),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        gather = asyncio.ensure_future(_gather(job, events))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((gather, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            job.cancel()  # a no-op once done; frees the rows of a client that went away
+        if not gather.done():  # nobody is left to read the reply
+            gather.cancel()
+            return Response(status_code=499)
+        done, failed = gather.result()
+        if failed is not None:
+            log.error("generation failed: %s", failed.message)
+            return _error(500, f"the server failed to generate a reply: {failed.message}", "server_error")
+        return JSONResponse(_completion(m, req, job, done))
+
+    if adapter_updates:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_adapter(request: Request) -> JSONResponse:
+            return await _adapter_route(holder.model, request, limits, load=True)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_adapter(request: Request) -> JSONResponse:
+            return await _adapter_route(holder.model, request, limits, load=False)
 
     return app
+
+
+def _prepare(
+    model: LocalModel, body: Any, limits: ServeLimits, schemas: SchemaCache, sink: Callable[[Any], None]
+) -> tuple[ChatRequest, Job]:
+    """Check the request and build its engine job (on the preparation thread)."""
+    seen: dict[str, list[int]] = {}
+
+    def count(messages: list[dict[str, str]]) -> int:
+        seen["ids"] = model.prompt_ids(messages)
+        return len(seen["ids"])
+
+    specials = model.special_tokens
+    req = check_chat(body, model_ids(model), model.context_tokens, count, limits, schemas, specials)
+    job = model.prepare(
+        req.messages,
+        req.register,
+        req.knobs,
+        req.schema,
+        req.seed,
+        sink=sink,
+        n=req.n,
+        stop=req.stop,
+        logprobs=req.logprobs,
+        prompt=seen.get("ids"),
+        stream=req.stream,
+    )
+    return req, job
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client of a request whose body was read has closed its connection (the
+    server answers ``http.disconnect`` then), so that a non-streaming turn frees its rows too."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _gather(job: Job, events: asyncio.Queue) -> tuple[dict[int, Done], Failed | None]:
+    done: dict[int, Done] = {}
+    while len(done) < job.n:
+        event = await events.get()
+        if isinstance(event, Failed):
+            return done, event
+        if isinstance(event, Done):
+            done[event.choice] = event
+    return done, None
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _stream(model: LocalModel, req: ChatRequest, job: Job, events: asyncio.Queue) -> AsyncIterator[str]:
+    """OpenAI's chunks: the role first, content deltas, a finish_reason per choice, the usage
+    chunk when asked, ``[DONE]``; an error mid-stream as an ``error`` object. Leaving early
+    (the client went away) cancels the job, which frees its rows at the next step."""
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": req.model_id,
+        "system_fingerprint": f"{model.label}:{job.adapter or 'base'}",
+    }
+
+    def chunk(choice: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        row = {"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return _sse({**head, "choices": [row]})
+
+    try:
+        for choice in range(job.n):
+            yield chunk(choice, {"role": "assistant", "content": ""})
+        finished, completion = 0, 0
+        while finished < job.n:
+            event = await events.get()
+            if isinstance(event, Failed):
+                log.error("generation failed mid-stream: %s", event.message)
+                error = RequestError(
+                    500, f"the server failed to generate a reply: {event.message}", "server_error"
+                )
+                yield _sse(error.body())
+                break
+            if isinstance(event, Delta):
+                logprobs = {"content": event.logprobs} if job.logprobs is not None else None
+                yield chunk(event.choice, {"content": event.text}, logprobs=logprobs)
+            elif isinstance(event, Done):
+                finished += 1
+                completion += event.completion_tokens
+                yield chunk(event.choice, {}, event.finish_reason)
+        else:
+            if req.include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(len(job.prompt), completion)})
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _model_list(model: LocalModel, created: int) -> dict[str, Any]:
@@ -116,25 +331,58 @@ def _model_list(model: LocalModel, created: int) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-def _completion(model: LocalModel, req: ChatRequest, out: Generation) -> dict[str, Any]:
-    """The chat completion body for one generation."""
-    finish = "length" if out.completion_tokens >= req.knobs.max_new_tokens else "stop"
+def _completion(model: LocalModel, req: ChatRequest, job: Job, done: dict[int, Done]) -> dict[str, Any]:
+    """The chat completion body: one choice per row."""
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": done[i].text},
+            "logprobs": {"content": done[i].logprobs} if job.logprobs is not None else None,
+            "finish_reason": done[i].finish_reason,
+        }
+        for i in sorted(done)
+    ]
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": req.model_id,
-        "system_fingerprint": f"{model.label}:{out.adapter or 'base'}",  # the weights that spoke
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": out.text},
-                "finish_reason": finish,
-            }
-        ],
-        "usage": {
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-        },
+        "system_fingerprint": f"{model.label}:{job.adapter or 'base'}",  # the weights that spoke
+        "choices": choices,
+        "usage": _usage(len(job.prompt), sum(d.completion_tokens for d in done.values())),
     }
+
+
+async def _adapter_route(
+    model: LocalModel | None, request: Request, limits: ServeLimits, load: bool
+) -> JSONResponse:
+    """Load or unload a register's LoRA by name; only the signed registry says what fits."""
+    from nimmer_train.publish.versions import CompatibilityError
+
+    assert model is not None
+    try:
+        body = await read_json(request, limits)
+    except RequestError as exc:
+        return JSONResponse(exc.body(), status_code=exc.status)
+    if not isinstance(body, dict) or "lora_path" in body:
+        return _error(
+            400,
+            "adapters load only by register name from the signed version registry; lora_path is not accepted",
+            "invalid_request",
+            "lora_path",
+        )
+    name = body.get("lora_name")
+    if not isinstance(name, str) or not name:
+        return _error(
+            400, "lora_name: must be a register name (or <version>:<register>)", "invalid_value", "lora_name"
+        )
+    register = name.split(":", 1)[1] if name.startswith(f"{model.label}:") else name
+    try:
+        await asyncio.to_thread(model.load_register if load else model.unload_register, register)
+    except CompatibilityError as exc:
+        return _error(404, str(exc), "lora_not_found", "lora_name")
+    except AdapterBusy as exc:
+        return _error(409, str(exc), "lora_busy", "lora_name")
+    except NimmerError as exc:  # the registry's files fail their signature or hashes
+        return _error(422, f"the LoRA was refused: {exc}", "lora_rejected", "lora_name")
+    return JSONResponse({"status": "loaded" if load else "unloaded", "id": f"{model.label}:{register}"})

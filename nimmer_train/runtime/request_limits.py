@@ -1,6 +1,5 @@
-"""What ``nimmer serve`` accepts, checked before any engine work and independent of the engine
-(the in-process :class:`LocalModel` today, a batching engine later): OpenAI-style 400s naming the
-field for malformed requests, and the resource limits.
+"""What ``nimmer serve`` accepts, checked before any engine work and independent of the engine:
+OpenAI-style 400s naming the field for malformed requests, and the resource limits.
 
 Limits (:class:`ServeLimits`): the body is read up to ``max_body_bytes`` (413 past it); a
 ``response_format`` schema is at most ``max_schema_bytes`` of JSON and ``max_schema_depth`` deep,
@@ -38,6 +37,9 @@ class ServeLimits:
     max_schema_depth: int = 16
     max_messages: int = 256
     schema_cache_size: int = 128  # compiled schemas remembered (least recently used dropped)
+    max_n: int = 8  # choices per request (rows of one batch)
+    max_stop: int = 4  # stop strings per request, as OpenAI
+    max_stop_chars: int = 64
 
 
 class RequestError(Exception):
@@ -48,7 +50,8 @@ class RequestError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
     def body(self) -> dict[str, Any]:
-        kind = "authentication_error" if self.status == 401 else "invalid_request_error"
+        kind = {401: "authentication_error"}.get(self.status, "invalid_request_error")
+        kind = "server_error" if self.status >= 500 else kind
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -119,7 +122,12 @@ def _integer(body: dict[str, Any], key: str, low: int, high: int) -> int | None:
     return value
 
 
-def check_messages(body: dict[str, Any], limits: ServeLimits) -> list[dict[str, str]]:
+def check_messages(
+    body: dict[str, Any], limits: ServeLimits, special_tokens: tuple[str, ...] = ()
+) -> list[dict[str, str]]:
+    """The messages as ``{role, content}``; a content holding one of the tokenizer's
+    ``special_tokens`` is refused: the tokenizer would read ``<|im_end|>`` in a player's line as
+    the real end of the turn, letting the text forge a system or assistant turn."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not 0 < len(messages) <= limits.max_messages:
         raise _bad("messages", f"must be a list of 1-{limits.max_messages} {{role, content}} objects")
@@ -131,6 +139,13 @@ def check_messages(body: dict[str, Any], limits: ServeLimits) -> list[dict[str, 
             raise _bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
         if not isinstance(message.get("content"), str):
             raise _bad(f"messages[{i}].content", "must be a string (content parts are not supported)")
+        forged = next((t for t in special_tokens if t in message["content"]), None)
+        if forged is not None:
+            raise _bad(
+                f"messages[{i}].content",
+                f"holds the special token {forged!r}, which would end or open a turn of the chat "
+                "template; remove it from the text",
+            )
         out.append({"role": message["role"], "content": message["content"]})
     return out
 
@@ -138,7 +153,7 @@ def check_messages(body: dict[str, Any], limits: ServeLimits) -> list[dict[str, 
 def check_knobs(body: dict[str, Any]) -> SamplingKnobs:
     """The sampling parameters with OpenAI's defaults; ``max_new_tokens`` is set later (clamped)."""
     return SamplingKnobs(
-        temperature=_number(body, "temperature", 1.0, 0.0, 5.0, low_open=True),
+        temperature=_number(body, "temperature", 1.0, 0.0, 5.0, low_open=False),  # 0: greedy
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=_integer(body, "top_k", 0, 2**31 - 1) or 0,
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True),
@@ -264,6 +279,50 @@ class SchemaCache:
                 self.known.popitem(last=False)
 
 
+def check_stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage) from ``stream`` and ``stream_options``."""
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise _bad("stream", f"must be true or false, not {stream!r}")
+    options = body.get("stream_options")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise _bad("stream_options", "is only allowed with stream: true")
+    if not isinstance(options, dict) or options.get("include_usage") not in (None, True, False):
+        raise _bad("stream_options", "must be an object whose include_usage is true or false")
+    return True, bool(options.get("include_usage"))
+
+
+def check_stop(body: dict[str, Any], limits: ServeLimits) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stops, list)
+        or len(stops) > limits.max_stop
+        or not all(isinstance(s, str) and 0 < len(s) <= limits.max_stop_chars for s in stops)
+    ):
+        raise _bad(
+            "stop",
+            f"must be a string or a list of at most {limits.max_stop} non-empty strings of at most "
+            f"{limits.max_stop_chars} characters",
+        )
+    return tuple(stops)
+
+
+def check_logprobs(body: dict[str, Any]) -> int | None:
+    """None without ``logprobs``; else how many ``top_logprobs`` per token (0-20)."""
+    wanted = body.get("logprobs")
+    if wanted not in (None, True, False):
+        raise _bad("logprobs", f"must be true or false, not {wanted!r}")
+    top = _integer(body, "top_logprobs", 0, 20)
+    if top is not None and not wanted:
+        raise _bad("top_logprobs", "needs logprobs: true")
+    return (top or 0) if wanted else None
+
+
 @dataclass(frozen=True)
 class ChatRequest:
     """A checked chat completion request, within the limits."""
@@ -275,6 +334,11 @@ class ChatRequest:
     schema: dict[str, Any] | None  # the response format to enforce while decoding
     seed: int | None
     prompt_tokens: int
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: off; else top_logprobs per token
+    stream: bool = False
+    include_usage: bool = False
 
 
 def check_chat(
@@ -284,8 +348,10 @@ def check_chat(
     count_prompt: Callable[[list[dict[str, str]]], int],
     limits: ServeLimits,
     schemas: SchemaCache,
+    special_tokens: tuple[str, ...] = (),
 ) -> ChatRequest:
-    """The request's parts, or :class:`RequestError` for the first thing wrong with it."""
+    """The request's parts, or :class:`RequestError` for the first thing wrong with it
+    (``special_tokens``: the tokenizer's, never allowed inside a message)."""
     if not isinstance(body, dict):
         raise RequestError(
             400, f"the body must be a JSON object, not {type(body).__name__}", "invalid_request"
@@ -293,12 +359,14 @@ def check_chat(
     mid = body.get("model")
     if not isinstance(mid, str) or mid not in model_ids:
         raise RequestError(404, f"model {mid!r} does not exist; see /v1/models", "model_not_found", "model")
-    if body.get("stream") not in (None, False):
-        raise RequestError(400, "streaming is not supported by nimmer serve", "unsupported", "stream")
-    messages = check_messages(body, limits)
+    stream, include_usage = check_stream(body)
+    messages = check_messages(body, limits, special_tokens)
     knobs = check_knobs(body)
     seed = _integer(body, "seed", 0, MAX_SEED)
     requested = requested_tokens(body)
+    n = _integer(body, "n", 1, limits.max_n) or 1
+    stop = check_stop(body, limits)
+    logprobs = check_logprobs(body)
     schema = response_schema(body, limits)
     if schema is not None:
         schemas.check(schema)
@@ -307,4 +375,6 @@ def check_chat(
         **{**knobs.as_dict(), "max_new_tokens": clamp_tokens(requested, prompt_tokens, context_tokens)}
     )
     register = mid.split(":", 1)[1] if ":" in mid else None
-    return ChatRequest(mid, messages, register, knobs, schema, seed, prompt_tokens)
+    return ChatRequest(
+        mid, messages, register, knobs, schema, seed, prompt_tokens, n, stop, logprobs, stream, include_usage
+    )

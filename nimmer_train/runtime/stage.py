@@ -90,6 +90,61 @@ def _request(register: str, traits: dict[str, float], tier: str) -> TurnRequest:
     )
 
 
+AGENT_FACTS = """# What the gate-keeper knows
+
+## The lower ring
+The water gate closes at the second bell. Smugglers use the drain under the fish market.
+
+## People
+Brother Anselm preaches at the salt steps every evening and distrusts the hivemind wardens.
+"""
+
+
+def agent_memory_session(folder: Path, turns: list[Turn]) -> dict[str, object]:
+    """A short scripted session of an NPC agent with long-term memory (issue 16): its workspace
+    notes are ingested, the demo's turns are indexed as episodes, two directives (the second
+    supersedes the first), a search, one consolidation; prints and returns ``memory_status``."""
+    from nimmer_train.memory.agent_memory import AgentMemory
+    from nimmer_train.memory.consolidation import consolidate
+    from nimmer_train.memory.embedding import SentenceEmbedder
+    from nimmer_train.memory.ingestion import Exchange, TranscriptIndexer, ingest_workspace
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "MEMORY.md").exists():
+        (folder / "MEMORY.md").write_text(AGENT_FACTS)
+    agent = AgentMemory(folder, SentenceEmbedder())
+    try:
+        ingested = ingest_workspace(agent)
+        indexer = TranscriptIndexer(agent)
+        for i, turn in enumerate(turns):
+            said = str(turn.reply.get("utterance", "")) if isinstance(turn.reply, dict) else str(turn.reply)
+            indexer.submit(
+                Exchange(
+                    "demo-session",
+                    (f"t{i}",),
+                    (("player", "What news from the gate tonight?"), (turn.npc, said)),
+                    time.time(),
+                )
+            )
+        indexer.flush()
+        agent.working_memory_note("The player wants short answers.", kind="directive")
+        agent.working_memory_note(
+            "The player now wants long, detailed answers about the gate.", kind="directive"
+        )
+        hits = agent.memory_search("when does the water gate close?", max_results=3)
+        report = consolidate(agent)
+        status = agent.memory_status()
+    finally:
+        agent.close()
+    lifecycle = status["stores"]["primary"]["lifecycle"]  # type: ignore[index]
+    print(f"\nAgent memory of demo-npc ({folder}): workspace {ingested}, {len(turns)} exchanges indexed")
+    print(f"  memory_search('when does the water gate close?') -> {hits[0]['text'][:90]!r}" if hits else "")
+    print(f"  lifecycle {lifecycle}; superseded {status['stores']['primary']['superseded']}")  # type: ignore[index]
+    print(f"  user profile (live directives): {status['user_profile']}")
+    print(f"  consolidation: {report.get('primary')} in {report.get('wall_s')} s")
+    return status
+
+
 @dataclass
 class SpeakResult:
     """The turns spoken (one per register and tier) and where they were written."""
@@ -103,6 +158,11 @@ def speak_stage(cfg: Config, pipeline: str = "speak") -> SpeakResult:
     path = Path(cfg.paths.workdir).resolve() / "runtime" / TURNS_FILE
     with tracking.stage_run(cfg, pipeline, "speak") as run_id:
         turns = _speak(cfg, path)
+        status = agent_memory_session(Path(cfg.paths.workdir).resolve() / "agents" / "demo-npc", turns)
+        if run_id:
+            import mlflow
+
+            mlflow.log_dict(status, "agent_memory_status.json")
         if run_id:
             import mlflow
 

@@ -114,42 +114,38 @@ CLOSERS = ('"}', "}")  # what ends a flat JSON object from inside a string value
 CLOSE_MARGIN = 2  # start closing this many tokens before the last moment (a string may still be too short)
 
 
-class SchemaMask(LogitsProcessor):
-    """Masks every token that cannot continue a reply valid under ``schema`` in the training
-    format. With ``max_new_tokens``, once the budget is down to what closing takes it forces the
-    shortest close (a closing quote and brace, then the end-of-turn token) when one is valid."""
+class RowGrammar:
+    """One reply's grammar state for a batched decoder: every token that cannot continue a reply
+    valid under ``schema`` in the training format is masked. With ``max_new_tokens``, once the
+    budget is down to what closing takes it forces the shortest close (a closing quote and brace,
+    then the end-of-turn token) when one is valid. Built off the decode thread (compiling is the
+    costly part); :meth:`allowed` and :meth:`consume` are microseconds per token."""
 
     def __init__(
-        self,
-        tokenizer: Any,
-        schema: dict[str, Any],
-        n_vocab: int,
-        prompt_len: int,
-        max_new_tokens: int | None = None,
+        self, tokenizer: Any, schema: dict[str, Any], n_vocab: int, max_new_tokens: int | None = None
     ) -> None:
         from llguidance.torch import allocate_token_bitmask
 
         self.matcher = reply_matcher(tokenizer, schema, n_vocab)
-        self.prompt_len = prompt_len
         self.max_new_tokens = max_new_tokens
         self.closers = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in CLOSERS]
         self.bitmask = allocate_token_bitmask(1, n_vocab)
         self.bits = torch.arange(32, dtype=torch.int32)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def consume(self, token: int) -> None:
+        self.matcher.consume_token(token)
+
+    def allowed(self, generated: int, width: int) -> torch.Tensor:
+        """The tokens allowed after ``generated`` tokens, as a bool row of ``width``."""
         from llguidance.torch import fill_next_token_bitmask
 
-        generated = input_ids.shape[1] - self.prompt_len
-        if generated > 0:
-            self.matcher.consume_token(int(input_ids[0, -1]))
         forced = self._closing(self.max_new_tokens - generated) if self.max_new_tokens else None
         if forced is not None:
-            keep = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+            keep = torch.zeros(width, dtype=torch.bool)
             keep[forced] = True
-            return scores.masked_fill(~keep, float("-inf"))
+            return keep
         fill_next_token_bitmask(self.matcher, self.bitmask)
-        allowed = ((self.bitmask[0].unsqueeze(1) >> self.bits) & 1).flatten()[: scores.shape[-1]].bool()
-        return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+        return ((self.bitmask[0].unsqueeze(1) >> self.bits) & 1).flatten()[:width].bool()
 
     def _closing(self, left: int) -> int | None:
         """The first token of the shortest valid close (one that leaves the reply complete) when
@@ -165,3 +161,25 @@ class SchemaMask(LogitsProcessor):
             if probe.consume_tokens(ids) and probe.is_accepting():
                 return ids[0]
         return None
+
+
+class SchemaMask(LogitsProcessor):
+    """:class:`RowGrammar` as a logits processor for a single-row HF ``generate``."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        schema: dict[str, Any],
+        n_vocab: int,
+        prompt_len: int,
+        max_new_tokens: int | None = None,
+    ) -> None:
+        self.grammar = RowGrammar(tokenizer, schema, n_vocab, max_new_tokens)
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        generated = input_ids.shape[1] - self.prompt_len
+        if generated > 0:
+            self.grammar.consume(int(input_ids[0, -1]))
+        allowed = self.grammar.allowed(generated, scores.shape[-1])
+        return scores.masked_fill(~allowed.to(scores.device), float("-inf"))

@@ -127,3 +127,70 @@ def knob_processors(knobs: SamplingKnobs, prompt_len: int) -> LogitsProcessorLis
     if knobs.min_p > 0:
         processors.append(MinPLogitsWarper(float(knobs.min_p)))
     return LogitsProcessorList(processors)
+
+
+def warp_rows(scores: Any, knobs: list[SamplingKnobs], generated: list[list[int]]) -> Any:
+    """:func:`knob_processors` for a batch in which every row has its own knobs: ``scores``
+    ``[B, V]`` (row i under ``knobs[i]``) processed in the same order and with the same results,
+    the repetition penalty over ``generated[i]`` only (the row's own generated tokens: never the
+    prompt, never another row's padding). Rows whose knobs are neutral come back unchanged."""
+    import torch
+
+    rows, vocab = scores.shape
+    penalty = torch.tensor([k.repetition_penalty for k in knobs], dtype=scores.dtype)
+    if bool((penalty != 1.0).any()) and any(generated):
+        width = max(map(len, generated)) or 1
+        ids = torch.full((rows, width), vocab, dtype=torch.long)  # padding points at a sink column
+        for i, row in enumerate(generated):
+            if row and knobs[i].repetition_penalty != 1.0:
+                ids[i, : len(row)] = torch.tensor(row, dtype=torch.long).clamp(max=vocab)
+        padded = torch.nn.functional.pad(scores, (0, 1))
+        got = padded.gather(1, ids)
+        hit = torch.where(got < 0, got * penalty[:, None], got / penalty[:, None])
+        scores = _finite(padded.scatter(1, ids, hit)[:, :vocab])
+    temperature = torch.tensor([k.temperature for k in knobs], dtype=scores.dtype)
+    greedy = temperature <= 0
+    if bool(greedy.any()):  # temperature 0: the row's most likely token (OpenAI's and vLLM's greedy)
+        best = torch.zeros_like(scores, dtype=torch.bool).scatter_(
+            1, scores.argmax(dim=-1, keepdim=True), True
+        )
+        scores = scores.masked_fill(greedy[:, None] & ~best, float("-inf"))
+        temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
+    if bool((temperature != 1.0).any()):
+        scores = _finite(scores / temperature[:, None])
+    top_k = torch.tensor([min(k.top_k, vocab) if k.top_k > 0 else vocab for k in knobs])
+    if bool((top_k < vocab).any()):
+        threshold = scores.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
+        scores = scores.masked_fill(scores < threshold, float("-inf"))
+    top_p = torch.tensor([k.top_p for k in knobs], dtype=scores.dtype)
+    if bool((top_p < 1.0).any()):
+        ordered, order = torch.sort(scores, descending=False)
+        remove = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)[:, None]
+        remove[:, -1] = False
+        scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    min_p = torch.tensor([k.min_p for k in knobs], dtype=scores.dtype)
+    if bool((min_p > 0).any()):
+        probs = scores.softmax(dim=-1)
+        remove = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores
+
+
+def _finite(scores: Any) -> Any:
+    """``scores`` with NaN as -inf and +inf as the largest float: a knob that underflows float32
+    (a repetition penalty or temperature of 1e-50 divides by zero) leaves its row's best tokens
+    on top instead of a NaN that fails the draw of every row in the batch. -inf (masked) stays."""
+    import torch
+
+    top = torch.finfo(scores.dtype).max
+    return torch.nan_to_num(scores, nan=float("-inf"), posinf=top, neginf=float("-inf"))
+
+
+def sample_rows(scores: Any, generators: list[Any]) -> list[int]:
+    """One token per row of ``scores`` ``[B, V]``, row i drawn with its own ``generators[i]``
+    (a ``torch.Generator``): a seeded row draws the same token alone or inside any batch."""
+    import torch
+
+    probs = scores.softmax(dim=-1)
+    return [int(torch.multinomial(probs[i], 1, generator=g)) for i, g in enumerate(generators)]

@@ -1,6 +1,11 @@
 """A loopback stand-in for OpenAI-compatible and Anthropic chat servers (third parties we cannot
 run here). Tests script its behaviour per request: 429 with Retry-After, 5xx, slow answers,
-malformed bodies, 4xx refusals; it counts every request it receives, by request content."""
+malformed bodies, 4xx refusals; it counts every request it receives, by request content.
+
+With ``models`` it also answers ``GET /v1/models`` as a vLLM farm started with ``--enable-lora
+--lora-modules <version>:<register>=PATH ...`` does (the base model id, then one id per LoRA
+module whose ``parent`` is the base), and refuses a chat for a model it does not list with
+vLLM's 404: the stand-in for Ring B's swap test."""
 
 from __future__ import annotations
 
@@ -13,11 +18,14 @@ from contextlib import contextmanager, suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-Answer = Callable[[dict[str, Any]], str]
+Answer = Callable[[dict[str, Any]], Any]  # the reply text, or a whole OpenAI message dict
 
 
 class LLMServer:
-    def __init__(self, answer: Answer | None = None, latency_s: float = 0.0) -> None:
+    def __init__(
+        self, answer: Answer | None = None, latency_s: float = 0.0, models: list[str] | None = None
+    ) -> None:
+        self.models = models
         self.answer = answer or (lambda body: json.dumps({"utterance": "We have heard you, citizen."}))
         self.latency_s = latency_s
         self.script: list[tuple[int, dict[str, str], str] | str] = []  # consumed one per request
@@ -39,8 +47,30 @@ class LLMServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
+            def do_GET(self) -> None:  # noqa: N802 - http.server naming
+                if server.models is None or not self.path.endswith("/v1/models"):
+                    return self._send(404, b'{"error": {"message": "not found"}}')
+                base = server.models[0]
+                data = [
+                    {
+                        "id": m,
+                        "object": "model",
+                        "owned_by": "vllm",
+                        "root": base,
+                        "parent": None if m == base else base,
+                    }
+                    for m in server.models
+                ]
+                self._send(200, json.dumps({"object": "list", "data": data}).encode())
+
             def do_POST(self) -> None:  # noqa: N802 - http.server naming
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if server.models is not None and body.get("model") not in server.models:
+                    error = {
+                        "message": f"The model `{body.get('model')}` does not exist.",
+                        "type": "NotFoundError",
+                    }
+                    return self._send(404, json.dumps({"error": error, "code": 404}).encode())
                 with server.lock:
                     server.requests.append(body)
                     server.headers.append(dict(self.headers))
@@ -71,9 +101,12 @@ class LLMServer:
                         "content": [block],
                         "usage": {"input_tokens": 40, "output_tokens": 12},
                     }
-                else:
+                else:  # an answer may be a whole message (tool_calls for the Ring C tool loop)
+                    message = (
+                        content if isinstance(content, dict) else {"role": "assistant", "content": content}
+                    )
                     data = {
-                        "choices": [{"message": {"role": "assistant", "content": content}}],
+                        "choices": [{"message": message}],
                         "usage": {"prompt_tokens": 40, "completion_tokens": 12},
                     }
                 self._send(200, json.dumps(data).encode())
@@ -98,8 +131,10 @@ class LLMServer:
 
 
 @contextmanager
-def serve(answer: Answer | None = None, latency_s: float = 0.0) -> Iterator[LLMServer]:
-    server = LLMServer(answer, latency_s)
+def serve(
+    answer: Answer | None = None, latency_s: float = 0.0, models: list[str] | None = None
+) -> Iterator[LLMServer]:
+    server = LLMServer(answer, latency_s, models)
     thread = threading.Thread(target=server.httpd.serve_forever, daemon=True)
     thread.start()
     try:

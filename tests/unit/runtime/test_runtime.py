@@ -216,8 +216,14 @@ def test_openai_client_against_nimmer_serve(tiny_model: LocalModel) -> None:
             assert same.text == text  # the knobs reached generation: identical to Ring A with the same seed
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model=f"{label}:caste-preacher", messages=messages)
-        with pytest.raises(openai.BadRequestError):
-            client.chat.completions.create(model=label, messages=messages, stream=True)
+        stream = client.chat.completions.create(
+            model=ids[-1], messages=messages, max_tokens=40, seed=7, stream=True, extra_body={"top_k": 40}
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        whole = client.chat.completions.create(
+            model=ids[-1], messages=messages, max_tokens=40, seed=7, extra_body={"top_k": 40}
+        )
+        assert streamed == whole.choices[0].message.content  # streaming is the same decode, in chunks
 
 
 @pytest.mark.slow

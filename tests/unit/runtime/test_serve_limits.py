@@ -16,9 +16,11 @@ import pytest
 
 from nimmer_train import cli
 from nimmer_train.errors import NimmerError
-from nimmer_train.runtime.local_model import Generation, LocalModel
+from nimmer_train.runtime.engine import Done, Job
+from nimmer_train.runtime.local_model import LocalModel
 from nimmer_train.runtime.openai_server import create_app
 from nimmer_train.runtime.request_limits import ServeLimits
+from nimmer_train.runtime.serve_metrics import ServeMetrics
 from nimmer_train.voice.sampling import SamplingKnobs
 from tests.helpers.loopback import serve_app
 
@@ -27,25 +29,36 @@ SCHEMA = {"type": "object", "properties": {"line": {"type": "string"}}, "require
 
 
 class StandInEngine:
-    """What the server needs of an engine: a label, LoRAs, a context, a tokenizer, ``generate``.
-    One token per word; it records what it was asked to do."""
+    """What the server needs of a model: a label, LoRAs, a context, a tokenizer, ``prepare`` and
+    an ``engine`` to submit to. One token per word; it records what it was asked to do and
+    answers each job at once."""
 
     label, registers, context_tokens = LABEL, ["drunk-scavenger"], 512
 
     def __init__(self) -> None:
         self.calls: list[tuple[SamplingKnobs, Any, Any]] = []
         self.tokenizer = self
+        self.engine = self
+        self.alive, self.closing, self.rows, self.waiting = True, False, [], []
+        self.metrics = ServeMetrics()
 
     def apply_chat_template(self, messages: list[dict[str, str]], **_: Any) -> list[int]:
         return [0] * sum(len(m["content"].split()) + 4 for m in messages)
 
-    def generate(
-        self, messages: list, register: Any, knobs: SamplingKnobs, schema: Any, seed: Any
-    ) -> Generation:
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.apply_chat_template(messages)
+
+    def prepare(
+        self, messages: list, register: Any, knobs: SamplingKnobs, schema: Any, seed: Any, **kw: Any
+    ) -> Job:
         self.calls.append((knobs, schema, seed))
-        return Generation(
-            '{"line": "x"}', len(self.apply_chat_template(messages)), knobs.max_new_tokens, 0.0, register
-        )
+        ids = kw.get("prompt") or self.prompt_ids(messages)
+        return Job(ids, register, knobs, [seed or 0] * kw.get("n", 1), [None], kw["sink"])
+
+    def submit(self, job: Job) -> Job:
+        for i in range(job.n):
+            job.sink(Done(i, "length", '{"line": "x"}', job.knobs.max_new_tokens, None))
+        return job
 
 
 @pytest.fixture
@@ -197,11 +210,20 @@ def test_bearer_token_auth(monkeypatch: pytest.MonkeyPatch) -> None:
         (_chat(max_tokens=0), "max_tokens"),
         (_chat(max_tokens=-3), "max_tokens"),
         (_chat(max_completion_tokens="many"), "max_completion_tokens"),
-        (_chat(temperature=0), "temperature"),
+        (_chat(temperature=-0.5), "temperature"),  # 0 is greedy, as OpenAI
         (_chat(temperature="hot"), "temperature"),
         (_chat(top_p=1.5), "top_p"),
         (_chat(top_k=2.5), "top_k"),
         (_chat(stream="yes"), "stream"),
+        (_chat(stream_options={"include_usage": True}), "stream_options"),
+        (_chat(stream=True, stream_options={"include_usage": "yes"}), "stream_options"),
+        (_chat(n=0), "n"),
+        (_chat(n=50), "n"),
+        (_chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (_chat(stop=[""]), "stop"),
+        (_chat(logprobs="yes"), "logprobs"),
+        (_chat(top_logprobs=3), "top_logprobs"),
+        (_chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ],
 )
 def test_malformed_requests_get_400_naming_the_field(

@@ -1,0 +1,95 @@
+"""Every register LoRA of a PEFT model applied per batch row in one pass (S-LoRA's "bmm" variant,
+vLLM's CPU ``bgmv``): per LoRA linear layer the adapters' A and B (B times its scaling) are
+stacked once, slot ``len(names)`` being zeros for the bare weights, and a forward computes
+``base(x) + (x @ A[slot].T) @ B[slot].T`` for the whole batch, four ops whatever the number of
+adapters. PEFT's own mixed batches (``adapter_names=[...]``) loop over the distinct adapters in
+Python in every layer; this replaces that loop and PEFT's per-call hook registration. The PEFT
+model stays the source of the weights (``load_adapter`` / ``delete_adapter``, then
+:meth:`StackedLora.rebuild`) and the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from nimmer_train.errors import NimmerError
+
+BASE = "__base__"  # PEFT's name for a row on the bare weights
+
+
+def lora_linears(model: Any) -> list[Any]:
+    """The PEFT LoRA linear layers of ``model`` (none for a plain transformers model)."""
+    from peft.tuners.lora import Linear
+
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+class StackedLora:
+    """Installed on a PEFT model: :meth:`select` names each row's adapter before a forward."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.names: list[str] = []
+        self.slots = torch.zeros(0, dtype=torch.long)  # per row; len(names) = the bare weights
+        self.single: int | None = None  # every row on one slot: a plain matmul, no gather
+        self.layers = lora_linears(model)
+        for layer in self.layers:
+            layer.forward = types.MethodType(_stacked_forward, layer)
+            layer.stacked = self
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Restack from the PEFT layers (after an adapter was loaded or deleted)."""
+        self.layers = lora_linears(self.model)
+        names = sorted({n for layer in self.layers for n in layer.lora_A})
+        for layer in self.layers:
+            if any(layer.use_dora.get(n, False) for n in layer.lora_A):
+                raise NimmerError("DoRA adapters cannot be stacked; serve them one at a time")
+            if not hasattr(layer, "stacked"):
+                layer.forward = types.MethodType(_stacked_forward, layer)
+                layer.stacked = self
+            rank = max([layer.lora_A[n].weight.shape[0] for n in names if n in layer.lora_A] or [1])
+            width, height = layer.base_layer.in_features, layer.base_layer.out_features
+            a = torch.zeros(len(names) + 1, rank, width)
+            b = torch.zeros(len(names) + 1, height, rank)
+            with torch.no_grad():
+                for i, n in enumerate(names):
+                    if n in layer.lora_A:
+                        r = layer.lora_A[n].weight.shape[0]
+                        a[i, :r] = layer.lora_A[n].weight
+                        b[i, :, :r] = layer.lora_B[n].weight * layer.scaling[n]
+            weight = layer.base_layer.weight
+            layer.stacked_a = a.to(weight.device, weight.dtype)
+            layer.stacked_b = b.to(weight.device, weight.dtype)
+        self.names = names
+
+    def slot(self, adapter: str | None) -> int:
+        if adapter is None or adapter == BASE:
+            return len(self.names)
+        if adapter not in self.names:
+            raise NimmerError(f"no adapter {adapter!r} is loaded; loaded: {', '.join(self.names) or 'none'}")
+        return self.names.index(adapter)
+
+    def select(self, adapters: list[str | None]) -> None:
+        """The adapter of each row of the next forward passes (None: the bare weights)."""
+        slots = [self.slot(a) for a in adapters]
+        self.slots = torch.tensor(slots, dtype=torch.long)
+        self.single = slots[0] if len(set(slots)) == 1 else None
+
+
+def _stacked_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    result = self.base_layer(x, *args, **kwargs)
+    stacked: StackedLora = self.stacked
+    bare = len(stacked.names)
+    if stacked.single is not None:
+        if stacked.single == bare:
+            return result
+        a, b = self.stacked_a[stacked.single], self.stacked_b[stacked.single]
+        return result + (x.to(a.dtype) @ a.T) @ b.T
+    a, b = self.stacked_a[stacked.slots], self.stacked_b[stacked.slots]  # [B, r, in], [B, out, r]
+    flat = x.to(a.dtype).reshape(x.shape[0], -1, x.shape[-1])
+    delta = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2))
+    return result + delta.reshape(result.shape).to(result.dtype)

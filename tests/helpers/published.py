@@ -1,0 +1,71 @@
+"""A signed, published version built here in seconds: a fresh model from config (tokenizer
+trained here) and one register LoRA per name, each with random non-zero weights so that every
+register really speaks differently (PEFT's default init would make each a no-op)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nimmer_train.config import ModelConfig
+
+REGISTERS = (
+    "caste-preacher",
+    "drunk-scavenger",
+    "hivemind-broadcast",
+    "imperial-ceremony-chorus",
+    "clasp-confession",
+)
+
+
+def publish_registers(
+    root: Path, registers: tuple[str, ...] = REGISTERS[:3], model: ModelConfig | None = None, vocab: int = 512
+) -> tuple[Path, Path]:
+    """(releases, trusted keys) of version v1 with a LoRA (r=8, attention and MLP) per register."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from nimmer_train.artifacts import write_json_atomic, write_manifest
+    from nimmer_train.base.modeling import build_model
+    from nimmer_train.base.tokenizer import train_bpe
+    from nimmer_train.federation.client import example_text
+    from nimmer_train.loras.adapters import METADATA, base_identity
+    from nimmer_train.memory.synthetic import heldout_examples
+    from nimmer_train.publish.release import PublishRequest, publish_version
+    from nimmer_train.publish.signing import generate_key
+
+    cfg = model or ModelConfig(name="tiny")
+    tokenizer = train_bpe(
+        [example_text(e) for e in heldout_examples(2000, seed=1)], vocab, cfg.max_position_embeddings
+    )
+    torch.manual_seed(0)
+    net = build_model(cfg, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, 0)
+    base = root / "base" / "tiny-serve"
+    net.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    lineage = {
+        "dataset_fingerprint": "0" * 64,
+        "dataset_dir": str(root / "no-corpus" / "dataset"),
+        "config_hash": "0" * 64,
+        "git_commit": "test",
+        "model": {"name": cfg.name, "family": cfg.family},
+        "train": {},
+        "metrics": {"parameters": sum(p.numel() for p in net.parameters())},
+    }
+    write_manifest(base, "base", f"serve-base-{cfg.name}", lineage)
+    adapters = []
+    for i, register in enumerate(registers):
+        torch.manual_seed(100 + i)
+        lora = LoraConfig(
+            r=8, lora_alpha=16, target_modules=list(cfg.lora_target_modules), init_lora_weights=False
+        )
+        peft = get_peft_model(net, lora)
+        folder = root / "adapters" / register
+        peft.save_pretrained(folder)
+        net = peft.unload()  # the bare base again for the next register
+        write_json_atomic(folder / METADATA, {"register": register, "base": base_identity(base)})
+        write_manifest(folder, "register_adapter", f"serve-{register}", {})
+        adapters.append(folder)
+    key = root / "keys" / "publisher.key"
+    generate_key(key, root / "keys" / "trusted")
+    publish_version(root / "releases", key, PublishRequest(base, adapters))
+    return root / "releases", root / "keys" / "trusted"

@@ -1,0 +1,251 @@
+"""The batching engine (issue 18, item 1) on a tiny published version with three register LoRAs
+of random non-zero weights: per-row knobs equal the single-row processors, the stacked LoRA
+equals PEFT's own mixed-adapter batch, a seeded request says the same alone and inside a mixed
+batch, requests join a running batch between steps, and a cancelled row leaves at once."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from jsonschema import validate
+
+from nimmer_train.runtime.engine import Delta, Done, Event, Failed, Job, _safe_end
+from nimmer_train.runtime.local_model import EngineSettings, LocalModel
+from nimmer_train.runtime.rings import RingA
+from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, AffectState, MemoryScope, TurnPrompt
+from nimmer_train.voice.registers import load_catalogue
+from nimmer_train.voice.sampling import SamplingKnobs, knob_processors, warp_rows
+
+MESSAGES = [
+    {"role": "system", "content": '{"role":"a caste-preacher"}'},
+    {"role": "user", "content": "Speak of the gate."},
+]
+SCHEMA = {"type": "object", "properties": {"line": {"type": "string"}}, "required": ["line"]}
+KNOBS = [
+    SamplingKnobs(0.9, 0.95, 40, 1.1, 0.02, max_new_tokens=24),
+    SamplingKnobs(1.3, 1.0, 0, 1.0, 0.0, max_new_tokens=16),
+    SamplingKnobs(0.4, 0.6, 5, 1.5, 0.1, max_new_tokens=20),
+    SamplingKnobs(1.0, 0.8, 0, 1.2, 0.05, max_new_tokens=12),
+]
+
+
+def test_per_row_knobs_equal_the_single_row_processors() -> None:
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(len(KNOBS), 300, generator=gen) * 3
+    generated = [[5, 6, 6, 299], [], [1, 2, 3, 4, 5, 6, 7, 8], [250]]
+    batched = warp_rows(scores.clone(), KNOBS, generated)
+    for i, (knobs, ids) in enumerate(zip(KNOBS, generated, strict=True)):
+        prompt = [9, 10, 11]  # never penalised
+        one = knob_processors(knobs, len(prompt))(torch.tensor([prompt + ids]), scores[i : i + 1].clone())
+        assert torch.equal(torch.isinf(batched[i]), torch.isinf(one[0])), i
+        finite = ~torch.isinf(one[0])
+        assert torch.allclose(batched[i][finite], one[0][finite]), i
+
+
+def test_safe_end_holds_back_partial_characters_and_stop_prefixes() -> None:
+    assert _safe_end("Hello wor", ("world",)) == 6  # "wor" may begin the stop string
+    assert _safe_end("Hello\ufffd", ()) == 5
+    assert _safe_end("Hello", ("xyz",)) == 5
+
+
+@pytest.fixture(scope="module")
+def model(published: tuple[Path, Path]) -> LocalModel:
+    releases, trusted = published
+    m = LocalModel.open(releases, "v1", trusted, settings=EngineSettings(window_s=0.05))
+    yield m
+    m.close()
+
+
+def test_stacked_lora_equals_peft_mixed_batches(published: tuple[Path, Path]) -> None:
+    from nimmer_train.publish.signing import Keyring
+    from nimmer_train.publish.versions import load_verified, open_version
+    from nimmer_train.runtime.stacked_lora import StackedLora
+
+    releases, trusted = published
+    peft, _ = load_verified(open_version(releases, "v1", Keyring.load(trusted)))
+    names = ["__base__", "caste-preacher", "drunk-scavenger", "hivemind-broadcast", "caste-preacher"]
+    ids = torch.randint(3, 400, (len(names), 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = peft(input_ids=ids, adapter_names=names).logits
+        bare = peft.get_base_model()(input_ids=ids).logits  # LoRA layers still active: caste-preacher
+        stacked = StackedLora(peft)
+        stacked.select([None if n == "__base__" else n for n in names])
+        mine = peft.get_base_model()(input_ids=ids).logits
+    assert torch.allclose(mine, reference, atol=1e-4)
+    assert not torch.allclose(reference[0], reference[2], atol=1e-3)  # the registers differ
+    assert not torch.allclose(bare[0], reference[0], atol=1e-3)
+
+
+def _collect(model: LocalModel, jobs: list[Job], events: list[queue.Queue]) -> list[list[Event]]:
+    for job in jobs:
+        model.engine.submit(job)
+    out = []
+    for job, q in zip(jobs, events, strict=True):
+        got: list[Event] = []
+        while sum(isinstance(e, Done | Failed) for e in got) < job.n and not any(
+            isinstance(e, Failed) for e in got
+        ):
+            got.append(q.get(timeout=600))  # a hang guard only
+        out.append(got)
+    return out
+
+
+def _job(model: LocalModel, i: int, **kw: object) -> tuple[Job, queue.Queue]:
+    q: queue.Queue = queue.Queue()
+    registers = [None, *model.registers]
+    job = model.prepare(
+        MESSAGES,
+        registers[i % len(registers)],
+        KNOBS[i % len(KNOBS)],
+        SCHEMA if i % 2 else None,
+        seed=100 + i,
+        sink=q.put,
+        **kw,  # type: ignore[arg-type]
+    )
+    return job, q
+
+
+def _texts(events: list[Event]) -> dict[int, str]:
+    return {e.choice: e.text for e in events if isinstance(e, Done)}
+
+
+def test_a_seeded_request_says_the_same_alone_and_in_a_mixed_batch(model: LocalModel) -> None:
+    pairs = [_job(model, i) for i in range(8)]
+    steps_before, model.engine.metrics.largest_batch = model.engine.steps, 0
+    together = _collect(model, [j for j, _ in pairs], [q for _, q in pairs])
+    batched_steps = model.engine.steps - steps_before
+    assert model.engine.metrics.largest_batch == 8  # all eight decoded in one batch
+    for i, events in enumerate(together):
+        job, q = _job(model, i)
+        (alone,) = _collect(model, [job], [q])
+        assert _texts(events) == _texts(alone), i
+        # the streamed deltas add up to the final text
+        assert "".join(e.text for e in events if isinstance(e, Delta)) == _texts(events)[0]
+    assert batched_steps < sum(k.max_new_tokens for k in (KNOBS * 2))  # rows shared the steps
+
+
+def test_requests_join_a_running_batch_and_cancelled_rows_leave(model: LocalModel) -> None:
+    long_knobs = SamplingKnobs(1.0, 1.0, 0, 1.0, 0.0, max_new_tokens=200)
+    first: queue.Queue = queue.Queue()
+    job = model.prepare(MESSAGES, "caste-preacher", long_knobs, None, 1, sink=first.put)
+    model.engine.submit(job)
+    assert isinstance(first.get(timeout=600), Delta)  # the long row is decoding
+    steps = model.engine.steps
+    second, q = _job(model, 2)
+    (events,) = _collect(model, [second], [q])
+    assert isinstance(events[-1], Done)
+    assert not job.cancelled and model.engine.rows  # the long row is still going: they ran together
+    assert model.engine.steps - steps < 200
+    job.cancel()
+    deadline = time.monotonic() + 600
+    while model.engine.rows and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not model.engine.rows and model.engine.cache is None  # the row left, its cache freed
+    seen = []
+    while not first.empty():
+        seen.append(first.get())
+    assert not any(isinstance(e, Done) for e in seen)
+
+
+def test_n_rows_stop_strings_and_logprobs(model: LocalModel) -> None:
+    job, q = _job(model, 0, n=3, logprobs=2)
+    (events,) = _collect(model, [job], [q])
+    done = [e for e in events if isinstance(e, Done)]
+    assert sorted(e.choice for e in done) == [0, 1, 2]
+    assert len({e.text for e in done}) > 1  # seeds seed, seed+1, seed+2
+    for e in done:
+        assert len(e.logprobs or []) == e.completion_tokens
+        assert all(len(entry["top_logprobs"]) == 2 and entry["logprob"] <= 0 for entry in e.logprobs or [])
+    text = done[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    if stop.strip():
+        again, q = _job(model, 0, stop=(stop,))
+        (events,) = _collect(model, [again], [q])
+        (end,) = [e for e in events if isinstance(e, Done)]
+        assert end.finish_reason == "stop" and end.text == text[: text.find(stop)]
+
+
+def test_ring_a_speaks_through_the_engine(model: LocalModel) -> None:
+    catalogue = load_catalogue()
+    ring = RingA(model)
+    prompt = TurnPrompt(
+        role=catalogue.get("drunk-scavenger").role,
+        trait_vector=catalogue.get("drunk-scavenger").traits,
+        affect_state=AffectState("calm"),
+        memory_scope=MemoryScope(),
+        turn_intent="answer",
+        zone_context="the gate",
+        player_utterance="Well?",
+    )
+    knobs = SamplingKnobs(0.7, 0.9, 40, 1.1, 0.0, max_new_tokens=96)
+    before = model.engine.metrics.completion_tokens["drunk-scavenger"]
+    replies = []
+    threads = [
+        threading.Thread(
+            target=lambda: replies.append(
+                ring.speak(prompt, catalogue.get("drunk-scavenger"), "drunk-scavenger", knobs)
+            )
+        )
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(replies) == 3 and all(r.adapter == "drunk-scavenger" for r in replies)
+    assert model.engine.metrics.completion_tokens["drunk-scavenger"] - before == sum(
+        r.completion_tokens for r in replies
+    )
+    for r in replies:
+        if r.text and r.text.endswith("}"):
+            import json
+
+            validate(json.loads(r.text), TURN_SCHEMA)
+
+
+def test_a_failing_step_fails_its_batch_and_the_engine_goes_on(
+    model: LocalModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original, calls = model.engine._forward, [0]
+
+    def flaky(*args: object) -> torch.Tensor:  # the prefill passes, the first decode step breaks
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("the step broke")
+        return original(*args)
+
+    monkeypatch.setattr(model.engine, "_forward", flaky)
+    job, q = _job(model, 0)
+    (events,) = _collect(model, [job], [q])
+    assert isinstance(events[-1], Failed) and "the step broke" in events[-1].message
+    monkeypatch.undo()
+    assert model.engine.alive and not model.engine.rows
+    job, q = _job(model, 0)
+    (events,) = _collect(model, [job], [q])
+    assert isinstance(events[-1], Done)
+
+
+def test_a_cached_prompt_prefix_changes_nothing(model: LocalModel) -> None:
+    model.engine.prefixes.clear()
+    hits = model.engine.prefixes.hits
+    job, q = _job(model, 3)
+    (cold,) = _collect(model, [job], [q])
+    other = [{**MESSAGES[0]}, {"role": "user", "content": "Speak of the water."}]  # same system prefix
+    job, q = _job(model, 3)
+    (warm,) = _collect(model, [job], [q])
+    assert _texts(cold) == _texts(warm) and model.engine.prefixes.hits == hits + 1
+    q2: queue.Queue = queue.Queue()
+    partial = model.prepare(other, model.registers[2], KNOBS[3], SCHEMA, seed=103, sink=q2.put)
+    saved = model.engine.prefixes.tokens_saved
+    (events,) = _collect(model, [partial], [q2])
+    assert isinstance(events[-1], Done) and model.engine.prefixes.tokens_saved - saved >= 16
+    model.engine.prefixes.clear()
+    q3: queue.Queue = queue.Queue()
+    again = model.prepare(other, model.registers[2], KNOBS[3], SCHEMA, seed=103, sink=q3.put)
+    (fresh,) = _collect(model, [again], [q3])
+    assert _texts(events) == _texts(fresh)  # the reused prefix equals a full prefill
