@@ -43,13 +43,39 @@ def ui_command(cfg: TrackingConfig) -> str:
     return f"mlflow ui --backend-store-uri {cfg.tracking_uri()} --default-artifact-root {root}"
 
 
+# The one-line description of each stage's run (MLflow's UI shows ``mlflow.note.content`` as the
+# run's and the experiment's description). A register LoRA's run is ``lora <register>``.
+DESCRIPTIONS: dict[str, str] = {
+    "run_all": "Every stage in data-flow order; each stage is a nested run below this one",
+    "ingest": "Clean, deduplicate and chunk the literary corpus into a dataset with its data card",
+    "synthesize": "Teacher-tier synthetic dialogue per register (r0), curated to r1, with its data card",
+    "build_base": "Continued pretraining of the nimmerworld base: loss and perplexity curves, manifest",
+    "train_loras": "Register trait-LoRAs and the register x adapter held-out loss matrix",
+    "lora": "One register trait-LoRA trained on its register's r1 dialogue",
+    "federate": "Flower rounds under DP: participants, dropouts, held-out loss and epsilon per round",
+    "privacy_sweep": "Privacy-utility sweep: held-out loss against epsilon and population",
+    "publish": "Signed base versions with manifests and model cards, mirrored to the Model Registry",
+    "speak": "NPC turns spoken through the published version and its register LoRAs",
+}
+HISTORY_CSV = "metrics/history.csv"
+CURVES_PNG = "metrics/curves.png"
+
+
+def describe(stage: str) -> str:
+    """The one-line description of a stage's run (``lora <register>`` names its register)."""
+    if stage.startswith("lora "):
+        return f"{DESCRIPTIONS['lora']} ({stage[5:]})"
+    return DESCRIPTIONS.get(stage, f"nimmer-train stage {stage}")
+
+
 def experiment_id(cfg: TrackingConfig, pipeline: str) -> str:
     name = f"{cfg.experiment_prefix}-{pipeline}"
     found = mlflow.get_experiment_by_name(name)
     if found:
         return found.experiment_id
     location = None if cfg.uri else (Path(cfg.artifact_root).resolve() / name).as_uri()
-    return mlflow.create_experiment(name, artifact_location=location)
+    tags = {"mlflow.note.content": f"Pipeline {pipeline}: {describe(pipeline)}", "pipeline": pipeline}
+    return mlflow.create_experiment(name, artifact_location=location, tags=tags)
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, str]:
@@ -93,6 +119,7 @@ def stage_run(
         else:
             mlflow.set_tag("resumed", "true")
         yield run.info.run_id
+        log_metric_histories(run.info.run_id)
 
 
 def _run_exists(run_id: str) -> bool:
@@ -115,6 +142,7 @@ def log_config(cfg: Config, stage: str) -> None:
             "git_commit": commit,
             "mlflow.source.git.commit": commit,
             "experiment_preset": cfg.experiment_name,
+            "mlflow.note.content": describe(stage),
         }
     )
 
@@ -157,3 +185,44 @@ def metric_logger(run_id: str | None, uri: str | None = None) -> MetricLogger:
         client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     return log
+
+
+def log_metric_histories(run_id: str) -> None:
+    """Every metric's history as ``metrics/history.csv`` and the ones with more than one step
+    (loss curves, per-round federation figures) as ``metrics/curves.png``: artifacts a reviewer
+    opens in the UI beside the run."""
+    client = MlflowClient()
+    histories = {key: client.get_metric_history(run_id, key) for key in client.get_run(run_id).data.metrics}
+    if not histories:
+        return
+    rows = ["metric,step,value,timestamp"] + [
+        f"{key},{m.step},{m.value!r},{m.timestamp}"
+        for key, history in sorted(histories.items())
+        for m in sorted(history, key=lambda m: (m.step, m.timestamp))
+    ]
+    mlflow.log_text("\n".join(rows) + "\n", HISTORY_CSV)
+    curves = {k: h for k, h in sorted(histories.items()) if len({m.step for m in h}) > 1}
+    if curves:
+        mlflow.log_figure(curves_figure(curves), CURVES_PNG)
+
+
+def curves_figure(curves: dict[str, list[Metric]], columns: int = 3) -> Any:
+    """One small panel per metric: value against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = -(-len(curves) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 2.6 * rows), squeeze=False)
+    for ax, (key, history) in zip(axes.flat, curves.items(), strict=False):
+        points = sorted((m.step, m.value) for m in history)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 30 else None)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(curves) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

@@ -2,8 +2,9 @@
 the registered model ``nimmerworld-base`` (source: its release folder), tagged with epsilon,
 contributor count, corpus and recipe refs; register LoRAs become versions of
 ``nimmerworld-lora-<register>`` tagged with the base versions they fit. Aliases follow the
-registry's (``candidate`` on publish, ``production`` on promote). Idempotent: a sync after a
-failure registers what is missing."""
+registry's (``candidate`` on publish, ``production`` on promote); a LoRA model carries the same
+alias on its version that fits the aliased base. Every registered model and version has a
+description. Idempotent: a sync after a failure registers what is missing."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def sync(registry: Registry, tracking_uri: str, run_id: str | None = None) -> di
                     source=(registry.releases / lora["path"]).resolve().as_uri(),
                     run_id=run_id,
                     tags={"lora_id": lora["lora_id"], "base_version": version.label},
+                    description=f"{lora['register']} trait-LoRA {lora['lora_id']} for {version.label}",
                 )
                 registry.db.execute(
                     "UPDATE register_loras SET mlflow_model_version = ? WHERE lora_id = ?",
@@ -92,4 +94,7 @@ def sync(registry: Registry, tracking_uri: str, run_id: str | None = None) -> di
             )
     for alias, label in registry.aliases().items():
         client.set_registered_model_alias(BASE_MODEL, alias, numbers[label])
+        for lora in registry.loras_for(registry.find(label)):  # the LoRA that fits the aliased base
+            name = lora_model(lora["register"])
+            client.set_registered_model_alias(name, alias, lora["mlflow_model_version"])
     return numbers

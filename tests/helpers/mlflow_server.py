@@ -1,0 +1,97 @@
+"""A real ``mlflow server`` process on a free loopback port over an existing store, for the
+length of a ``with`` block; and headless-Chromium screenshots of its UI.
+
+    python -m tests.helpers.mlflow_server WORKDIR OUT_DIR
+
+serves WORKDIR's store (mlflow.db, mlartifacts/) and writes OUT_DIR/experiment.png and
+OUT_DIR/registered_model.png. It needs Chromium (Debian: ``apt-get install chromium``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+START_HANG_GUARD_S = 600  # startup is slow on a loaded machine; this only catches a hang
+CHROMIUM = ("chromium", "chromium-browser")
+
+
+@contextmanager
+def mlflow_server(workdir: Path, log_file: Path) -> Iterator[str]:
+    """Serve ``workdir``'s embedded store (the server's output goes to ``log_file``); yield the URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+        "--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}",
+        "--default-artifact-root", str(workdir / "mlartifacts"), "--workers", "1",
+    ]  # fmt: skip
+    log = open(log_file, "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_HANG_GUARD_S
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None, f"mlflow server exited; see {log_file}"
+                assert time.monotonic() < deadline, f"mlflow server did not start in {START_HANG_GUARD_S} s"
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=300)
+        log.close()
+
+
+def chromium() -> str | None:
+    """The headless-capable Chromium binary, if installed."""
+    return next((found for name in CHROMIUM if (found := shutil.which(name))), None)
+
+
+def screenshot(url: str, out: Path, width: int = 1440, height: int = 900) -> Path:
+    """A PNG of ``url`` after its scripts ran (the MLflow UI renders client-side)."""
+    binary = chromium()
+    if binary is None:
+        raise RuntimeError("Chromium is not installed (Debian: apt-get install chromium)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            binary, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+            f"--window-size={width},{height}", "--virtual-time-budget=20000", f"--screenshot={out}", url,
+        ],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return out
+
+
+def ui_screenshots(url: str, experiment_id: str, model: str, out: Path) -> list[Path]:
+    """The experiment page and a registered model's page."""
+    return [
+        screenshot(f"{url}/#/experiments/{experiment_id}", out / "experiment.png"),
+        screenshot(f"{url}/#/models/{model}", out / "registered_model.png"),
+    ]
+
+
+if __name__ == "__main__":
+    import json
+
+    work, target = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
+    target.mkdir(parents=True, exist_ok=True)
+    with mlflow_server(work, target / "mlflow_server.log") as base:
+        query = urllib.request.urlopen(
+            f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=nimmer-run_all"
+        )
+        exp = json.load(query)["experiment"]["experiment_id"]
+        for path in ui_screenshots(base, exp, "nimmerworld-base", target):
+            print(path)
