@@ -3,18 +3,15 @@
 Both train the same freshly built Llama (model=tiny) on the same packed blocks, batch and
 sequence length, with the same optimizer and schedule. Runs alternate (bare, ours, bare, ours,
 ...) after a warm-up so that machine noise hits both; the ratio of median tokens/s is the result.
-Goal: ours / bare >= 0.90. Writes benchmarks/results/bench_build_base.json.
+Goal: ours / bare >= 0.90.
 
-    make bench            (or: python -m benchmarks.bench_build_base --steps 30 --repeats 3)
+    python -m benchmarks.bench_build_base [--smoke]      (all of them: make bench)
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -51,52 +48,43 @@ def measure(fn, mcfg: ModelConfig, blocks: torch.Tensor, cfg: TrainConfig) -> fl
     return cfg.max_steps * cfg.micro_batch_size * cfg.seq_len / elapsed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8)
-    args = parser.parse_args()
-
+def run(smoke: bool = False) -> dict[str, object]:
+    """Median tokens/s of both loops over alternating repeats, and their ratio."""
+    steps, repeats, seq_len, batch = (3, 1, 32, 2) if smoke else (30, 3, 256, 8)
     mcfg = ModelConfig(name="tiny")  # the dataclass defaults are conf/model/tiny.yaml
     cfg = TrainConfig(
-        seq_len=args.seq_len,
-        micro_batch_size=args.batch,
-        max_steps=args.steps,
-        warmup_steps=min(5, args.steps - 1),
+        seq_len=seq_len,
+        micro_batch_size=batch,
+        max_steps=steps,
+        warmup_steps=min(5, steps - 1),
         eval_every=0,
         checkpoint_every=0,
         log_every=10,
     )
     gen = torch.Generator().manual_seed(0)
-    blocks = torch.randint(0, mcfg.vocab_size, (512, cfg.seq_len), generator=gen)
-    measure(bare_loop, mcfg, blocks, TrainConfig(**{**cfg.__dict__, "max_steps": 6, "warmup_steps": 1}))
+    blocks = torch.randint(0, mcfg.vocab_size, (64 if smoke else 512, cfg.seq_len), generator=gen)
+    warm = 1 if smoke else 6
+    measure(bare_loop, mcfg, blocks, TrainConfig(**{**cfg.__dict__, "max_steps": warm, "warmup_steps": 0}))
     results: dict[str, list[float]] = {"bare": [], "build_base": []}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         results["bare"].append(measure(bare_loop, mcfg, blocks, cfg))
         results["build_base"].append(measure(ours, mcfg, blocks, cfg))
     bare, mine = statistics.median(results["bare"]), statistics.median(results["build_base"])
-    report = {
+    return {
+        "build_base_over_bare_tokens_per_s_ratio": mine / bare,
+        "goal": "build_base loop tokens/s >= 0.90 x a bare PyTorch loop (ratio >= 0.90)",
         "model": "tiny",
         "parameters": count_parameters(build_model(mcfg, mcfg.vocab_size, 0, 1, 0)),
         "seq_len": cfg.seq_len,
         "micro_batch_size": cfg.micro_batch_size,
         "steps": cfg.max_steps,
-        "torch_threads": torch.get_num_threads(),
-        "tokens_per_s": results,
+        "repeats": repeats,
         "median_tokens_per_s": {"bare": bare, "build_base": mine},
-        "ratio": mine / bare,
-        "goal": 0.90,
+        "tokens_per_s": results,
     }
-    out = Path(__file__).parent / "results" / "bench_build_base.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    for name, label in (("bare", "bare PyTorch loop"), ("build_base", "build_base loop")):
-        runs = ", ".join(f"{v:.0f}" for v in results[name])
-        print(f"{label:20s}{statistics.median(results[name]):10.0f} tokens/s  (runs: {runs})")
-    print(f"ratio build_base / bare = {mine / bare:.3f}  (goal >= 0.90)  -> {out}")
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.harness import main
+
+    main(run)

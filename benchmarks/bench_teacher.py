@@ -2,15 +2,13 @@
 50 ms latency, at concurrency 1, 8 and 32, all in one process (the cache is bypassed).
 
 With real concurrency, throughput grows with the number of requests in flight: the ideal is
-concurrency / 0.05 s. Writes benchmarks/results/bench_teacher.json.
+concurrency / 0.05 s; the headline ratios are requests/s over that ideal at concurrency 8 and 32.
 
-    make bench            (or: python -m benchmarks.bench_teacher --requests 256)
+    python -m benchmarks.bench_teacher [--smoke]      (all of them: make bench)
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -36,15 +34,15 @@ class NoCache:
         pass
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=256)
-    args = parser.parse_args()
-    requests = expand(composition(), load_catalogue())[: args.requests]
-    report: dict[str, dict[str, float]] = {}
+def run(smoke: bool = False) -> dict[str, object]:
+    """Requests/s at each concurrency, and each against the ideal concurrency / latency."""
+    total = 24 if smoke else 256
+    levels = (1, 8) if smoke else (1, 8, 32)
+    requests = expand(composition(), load_catalogue())[:total]
+    rows: dict[str, dict[str, float]] = {}
     with serve(latency_s=LATENCY_S) as server, tempfile.TemporaryDirectory() as tmp:
-        for concurrency in (1, 8, 32):
-            n = min(len(requests), 64 if concurrency == 1 else len(requests))
+        for concurrency in levels:
+            n = min(len(requests), (8 if smoke else 64) if concurrency == 1 else len(requests))
             cfg = TeacherConfig(
                 backend="openai_compatible",
                 model="bench",
@@ -57,25 +55,32 @@ def main() -> None:
             start = time.perf_counter()
             replies = [reply for _, reply, _ in run_requests(requests[:n], teacher, NoCache())]
             elapsed = time.perf_counter() - start
-            assert all(r.error is None for r in replies) and server.total - before == n
-            report[str(concurrency)] = {
+            if any(r.error is not None for r in replies) or server.total - before != n:
+                raise RuntimeError(
+                    f"concurrency {concurrency}: {n} requests sent, some failed or went astray"
+                )
+            rows[str(concurrency)] = {
                 "requests": n,
                 "seconds": elapsed,
                 "requests_per_s": n / elapsed,
                 "ideal_requests_per_s": concurrency / LATENCY_S,
             }
-    base = report["1"]["requests_per_s"]
-    for concurrency, row in report.items():
-        row["speedup_vs_1"] = row["requests_per_s"] / base
-        print(
-            f"concurrency {concurrency:>2}: {row['requests_per_s']:7.1f} req/s "
-            f"(ideal {row['ideal_requests_per_s']:.0f}; x{row['speedup_vs_1']:.1f} vs concurrency 1)"
-        )
-    out = Path(__file__).parent / "results" / "bench_teacher.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"latency_s": LATENCY_S, "results": report}, indent=2) + "\n")
-    print(f"-> {out}")
+    for row in rows.values():
+        row["speedup_vs_1"] = row["requests_per_s"] / rows["1"]["requests_per_s"]
+    ratios = {
+        f"concurrency_{c}_over_ideal_ratio": row["requests_per_s"] / row["ideal_requests_per_s"]
+        for c, row in rows.items()
+        if c != "1"
+    }
+    return {
+        **ratios,
+        "goal": "requests/s near the ideal concurrency / 50 ms at each concurrency (ratios toward 1.0)",
+        "latency_s": LATENCY_S,
+        "by_concurrency": rows,
+    }
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.harness import main
+
+    main(run)
