@@ -14,13 +14,14 @@ export FLWR_DISABLE_UPDATE_CHECK := 1
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,notebooks]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: install
 	$(BIN)/python -m pipelines.run_all experiment=demo
+	$(BIN)/python -m nimmer_train.review.notebooks render --workdir .
 
 test: install lint
 	$(BIN)/python -m pytest
@@ -28,16 +29,10 @@ test: install lint
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m nimmer_train.review.notebooks lint notebooks
 
 bench: install
-	$(BIN)/python -m benchmarks.bench_build_base
-	$(BIN)/python -m benchmarks.bench_teacher
-	$(BIN)/python -m benchmarks.bench_loras
-	$(BIN)/python -m benchmarks.bench_memory
-	$(BIN)/python -m benchmarks.bench_dp
-	$(BIN)/python -m benchmarks.bench_federated
-	$(BIN)/python -m benchmarks.bench_publish
-	$(BIN)/python -m benchmarks.bench_runtime
+	$(BIN)/python -m benchmarks
 
 clean:  # everything jobs write, except signing keys (clean-keys)
 	rm -rf artifacts cache mlartifacts mlruns mlflow.db outputs multirun benchmarks/results releases federation players runtime

@@ -2,10 +2,15 @@
 
 nimmer memory inspect PLAYER_DIR
 nimmer memory generate PLAYER_DIR [--seed N] [--entries N]
+nimmer memory consolidate AGENT_DIR | mcp AGENT_DIR [--no-watch]
 nimmer versions [--releases DIR] [--trusted-keys DIR] list | show V | verify V | promote V
 nimmer keys generate PRIVATE_KEY [--trust DIR]
 nimmer keys trust PUBLIC_KEY DIR
 nimmer serve [--releases DIR] [--version production] [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
+nimmer consent show PLAYER_DIR | set TIER PLAYER_DIR | revoke PLAYER_DIR | exclude CATEGORY PLAYER_DIR
+nimmer contribute PLAYER_DIR --superlink HOST:PORT --root-certificates CA [--releases DIR] [--version V]
+nimmer contributions [upload | forget] PLAYER_DIR
+nimmer federation certs DIR --host HOST | a2 add|status|forget --pool POOL ...
 """
 
 from __future__ import annotations
@@ -59,11 +64,14 @@ def inspect_player(folder: Path) -> dict:
         }
         db.close()
     report["clasp"] = "not inspectable by design (read only by in-between retrieval)"
+    if (folder / PRIMARY_FILE).exists():
+        report["federation"] = _contributor_report(folder)
     return report
 
 
 def show_version(releases: Path, name: str) -> dict[str, Any]:
     """Everything the registry holds about one version (``nimmer versions show``)."""
+    from nimmer_train.publish.listing import privacy_report
     from nimmer_train.publish.registry import Registry
 
     registry = Registry.open(releases)
@@ -77,6 +85,7 @@ def show_version(releases: Path, name: str) -> dict[str, Any]:
             for lora in registry.loras_for(v)
         ]
         out["federated_gradient_uploads"] = registry.uploads_into(v)
+        out["privacy"] = privacy_report(v.folder)  # guarantees, mechanism, epsilons, audit bound
         files = out.pop("blob_distribution")["files"]
         out["blob_distribution"] = [f"{f['path']}  {f['size']} B  sha256 {f['sha256']}" for f in files]
         out["blob_base_url"] = files[0]["location"].rsplit("/", 2)[0] if files else None
@@ -165,10 +174,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     api_key = serve_api_key(args.host, args.api_key_env)
     trusted = args.trusted_keys or args.releases.parent / "keys" / "trusted"
-    model = LocalModel.open(args.releases, args.version, trusted)
     auth = " (bearer token required)" if api_key else ""
-    print(f"serving {', '.join(model_ids(model))} on http://{args.host}:{args.port}/v1{auth}", flush=True)
-    uvicorn.run(create_app(model, api_key=api_key), host=args.host, port=args.port, log_level="warning")
+
+    def load() -> LocalModel:  # in a thread once the port is open: /health says 503 meanwhile
+        model = LocalModel.open(args.releases, args.version, trusted)
+        print(f"serving {', '.join(model_ids(model))} on http://{args.host}:{args.port}/v1{auth}", flush=True)
+        return model
+
+    app = create_app(load, api_key=api_key, adapter_updates=args.allow_adapter_updates)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
@@ -196,10 +210,12 @@ def main(argv: list[str] | None = None) -> int:
             return _versions(args)
         if args.group == "keys":
             return _keys(args)
+        if args.group in CONTRIBUTOR_GROUPS:
+            return CONTRIBUTOR_GROUPS[args.group](args)
+        return _memory(args)
     except NimmerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    return _memory(args)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -209,6 +225,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_versions(groups)
     _add_keys(groups)
     _add_serve(groups)
+    _add_contributor(groups)
     return parser
 
 
@@ -224,23 +241,59 @@ def _add_memory(groups: Any) -> None:
     generate.add_argument("player_dir", type=Path)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--entries", type=int, default=200)
+    generate.add_argument(
+        "--tier", default=None, help="consent tier (default opt_out, as the design; --append keeps it)"
+    )
+    generate.add_argument("--append", action="store_true", help="add entries to an existing player")
+    generate.add_argument("--player-id", default=None, help="default: player-s<seed>")
+    generate.add_argument("--player-name", default="Marta")
+    consolidate_cmd = memory.add_parser(
+        "consolidate", help="run one memory consolidation pass over an agent folder now"
+    )
+    consolidate_cmd.add_argument("agent_dir", type=Path)
+    mcp_cmd = memory.add_parser("mcp", help="serve an agent folder's memory tools over MCP (stdio)")
+    mcp_cmd.add_argument("agent_dir", type=Path)
+    mcp_cmd.add_argument("--no-watch", action="store_true", help="do not watch the workspace files")
 
 
 def _add_versions(groups: Any) -> None:
-    versions = groups.add_parser("versions", help="published nimmerworld base versions")
-    versions.add_argument("--releases", type=Path, default=Path("releases"), help="default: ./releases")
-    versions.add_argument("--trusted-keys", type=Path, default=None, help="default: RELEASES/../keys/trusted")
+    versions = groups.add_parser(
+        "versions", help="published nimmerworld base versions", parents=[_release_options(defaults=True)]
+    )
     vcmd = versions.add_subparsers(dest="command", required=True)
-    vcmd.add_parser("list", help="every version with epsilon, contributors, LoRAs and aliases")
+    after = _release_options(defaults=False)  # the same options after the subcommand win
+    vcmd.add_parser(
+        "list", help="every version with epsilon, contributors, LoRAs and aliases", parents=[after]
+    )
     for name, text in (
         ("show", "everything the registry holds about a version"),
         ("verify", "check the signature and every file's sha256"),
         ("promote", "point the production alias (registry and MLflow) at a version"),
     ):
-        cmd = vcmd.add_parser(name, help=text)
+        cmd = vcmd.add_parser(name, help=text, parents=[after])
         cmd.add_argument("version", help="vN, nimmerworld-base-vN, candidate or production")
         if name == "promote":
             cmd.add_argument("--alias", default="production")
+
+
+def _release_options(defaults: bool) -> argparse.ArgumentParser:
+    """``--releases`` and ``--trusted-keys``, accepted before and after a ``versions`` subcommand:
+    the group's copy carries the defaults, the subcommands' copy only what the user typed."""
+    options = argparse.ArgumentParser(add_help=False)
+    unset = {"default": argparse.SUPPRESS}
+    options.add_argument(
+        "--releases",
+        type=Path,
+        **({"default": Path("releases")} if defaults else unset),
+        help="default: ./releases",
+    )
+    options.add_argument(
+        "--trusted-keys",
+        type=Path,
+        **({"default": None} if defaults else unset),
+        help="default: RELEASES/../keys/trusted",
+    )
+    return options
 
 
 def _add_keys(groups: Any) -> None:
@@ -270,6 +323,11 @@ def _add_serve(groups: Any) -> None:
         help="environment variable holding a bearer token every request must send; "
         "required to bind beyond loopback",
     )
+    serve.add_argument(
+        "--allow-adapter-updates",
+        action="store_true",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (registry-listed LoRAs only)",
+    )
 
 
 def _memory(args: argparse.Namespace) -> int:
@@ -278,16 +336,397 @@ def _memory(args: argparse.Namespace) -> int:
             print(f"error: no player folder at {args.player_dir}", file=sys.stderr)
             return 2
         print(json.dumps(inspect_player(args.player_dir), indent=2))
+    elif args.command in ("consolidate", "mcp"):
+        return _memory_agent(args)
     else:
         from nimmer_train.memory.embedding import SentenceEmbedder
         from nimmer_train.memory.synthetic import generate_player
 
         print(
             json.dumps(
-                generate_player(args.player_dir, SentenceEmbedder(), args.seed, args.entries), indent=2
+                generate_player(
+                    args.player_dir,
+                    SentenceEmbedder(),
+                    args.seed,
+                    args.entries,
+                    player_name=args.player_name,
+                    player_id=args.player_id or f"player-s{args.seed}",
+                    tier=args.tier,
+                    append=args.append,
+                ),
+                indent=2,
             )
         )
     return 0
+
+
+def _memory_agent(args: argparse.Namespace) -> int:
+    """`nimmer memory consolidate|mcp AGENT_DIR` (issue 16's crystals)."""
+    if not args.agent_dir.is_dir():
+        print(f"error: no agent folder at {args.agent_dir}", file=sys.stderr)
+        return 2
+    if args.command == "mcp":
+        from nimmer_train.memory.mcp_server import serve_stdio
+
+        serve_stdio(args.agent_dir, watch=not args.no_watch)
+        return 0
+    from nimmer_train.memory.agent_memory import AgentMemory
+    from nimmer_train.memory.embedding import NoEmbedder
+    from nimmer_train.memory.scheduler import run_once
+
+    agent = AgentMemory(args.agent_dir, NoEmbedder())  # consolidation reuses stored vectors
+    try:
+        report = run_once(agent)
+    finally:
+        agent.close()
+    if report is None:
+        print(f"error: a consolidation of {args.agent_dir} is running already; skipped", file=sys.stderr)
+        return 3
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+# --- the contributor's and the operator's federation commands (issue 23) ---------------------
+
+
+def _open_player(folder: Path) -> Any:
+    from nimmer_train.memory.embedding import NoEmbedder
+    from nimmer_train.memory.player_memory import PRIMARY_FILE, PlayerMemory
+
+    if not (folder / PRIMARY_FILE).exists():
+        raise NimmerError(
+            f"no player at {folder} (no {PRIMARY_FILE}); `nimmer memory generate {folder}` makes one"
+        )
+    return PlayerMemory(folder, NoEmbedder())
+
+
+def _stamp(at: float | None) -> str | None:
+    return None if at is None else datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
+
+
+def _contributor_report(folder: Path) -> dict[str, Any]:
+    """Tier, contributor id and privacy spend of a player (``nimmer memory inspect``)."""
+    from nimmer_train.memory import contributions
+    from nimmer_train.memory.consent import PROFILE_FILE, existing_contributor_id, get_consent, sent_uploads
+
+    memory = _open_player(folder)
+    try:
+        record = get_consent(memory)
+        ident, uploads = existing_contributor_id(memory), sent_uploads(memory)
+    finally:
+        memory.close()
+    return {
+        "tier": record.sharing_tier,
+        "revoked_at": _stamp(record.revoked_at),
+        "categories_shared": list(record.data_categories_shared),
+        "categories_excluded": list(record.excluded_categories),
+        "profile": "present" if (folder / PROFILE_FILE).exists() else "missing",
+        "contributor_id": ident,
+        "a2_uploads_sent": len(uploads),
+        "spend": contributions.spend(folder),
+    }
+
+
+def _consent(args: argparse.Namespace) -> int:
+    from nimmer_train.memory.consent import exclude, grant, revoke, takes_part, write_profile
+
+    folder: Path = args.player_dir
+    memory = _open_player(folder)
+    try:
+        if args.command == "set":
+            if args.player_id or args.player_name:
+                if not (args.player_id and args.player_name):
+                    raise NimmerError("--player-id and --player-name go together: the profile needs both")
+                write_profile(folder, args.player_id, args.player_name)
+            grant(memory, args.tier, tuple(args.share) if args.share else None)
+        elif args.command == "revoke":
+            revoke(memory)
+        elif args.command == "exclude":
+            exclude(memory, args.category)
+    finally:
+        memory.close()
+    report = _contributor_report(folder)
+    memory = _open_player(folder)
+    try:
+        from nimmer_train.memory.consent import get_consent
+
+        reason = takes_part(get_consent(memory))
+    finally:
+        memory.close()
+    report["federated_rounds"] = "takes part" if reason is None else f"takes no part: {reason}"
+    print(json.dumps({k: v for k, v in report.items() if k != "spend"}, indent=2))
+    return 0
+
+
+def _contributions(args: argparse.Namespace) -> int:
+    from nimmer_train.memory import contributions
+
+    action, folder = (
+        (args.words[0], Path(args.words[1])) if len(args.words) == 2 else ("show", Path(args.words[0]))
+    )
+    if action == "show":
+        _open_player(folder).close()
+        log = contributions.entries(folder)
+        if args.json:
+            print(json.dumps(log, indent=2))
+        else:
+            print("\n".join(contributions.render(log)) or f"{folder}: nothing has left this device yet")
+        return 0
+    if action == "upload":
+        return _upload(folder, args.out)
+    if action == "forget":
+        return _forget(folder, args.out, args.answer)
+    raise NimmerError(
+        f"nimmer contributions {action}: unknown; use PLAYER_DIR, upload PLAYER_DIR or forget PLAYER_DIR"
+    )
+
+
+def _upload(folder: Path, out: Path | None) -> int:
+    from nimmer_train.federation.intake import write_upload
+    from nimmer_train.memory.consent import a2_upload, read_profile
+
+    if out is None:
+        raise NimmerError("nimmer contributions upload needs --out DIR: where to write the upload file")
+    player_id, player_name = read_profile(folder)
+    memory = _open_player(folder)
+    try:
+        upload = a2_upload(memory, player_id, player_name)
+    finally:
+        memory.close()
+    if upload is None:
+        raise NimmerError(
+            f"{folder} has nothing new to share for A2_anonymized (no entry goes into two uploads; "
+            f"or its consent yields nothing: `nimmer consent show {folder}`)"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    path = write_upload(upload, out)
+    print(
+        f"wrote {path}: upload {upload.upload_id}, {len(upload.examples)} anonymised examples; "
+        "give it to the operator's intake"
+    )
+    return 0
+
+
+def _forget(folder: Path, out: Path | None, answer: Path | None) -> int:
+    from nimmer_train.memory.deletion_requests import make_request, record_answer
+
+    memory = _open_player(folder)
+    try:
+        if answer is not None:
+            entry = record_answer(memory, answer)
+            print(
+                f"recorded the operator's answer: {len(entry['deleted'])} upload(s) dropped from the A.2 "
+                f"pool, {len(entry['unknown'])} not in it (refused should they arrive); forward-only: "
+                "adapters already released keep what they learned from them"
+            )
+            return 0
+        path = out or folder / f"deletion-request-{int(time.time())}.json"
+        request = make_request(memory, path)
+    finally:
+        memory.close()
+    print(
+        f"wrote {path}: a request to forget {len(request['upload_ids'])} A.2 upload(s) (their ids only); "
+        f"send it to the operator, then record the answer: "
+        f"nimmer contributions forget {folder} --answer ANSWER"
+    )
+    return 0
+
+
+def _contribute(args: argparse.Namespace) -> int:
+    from nimmer_train.federation.deploy import SuperNode, free_port, node_config, run_supernode
+    from nimmer_train.memory.consent import contributor_id, get_consent, read_profile, takes_part
+    from nimmer_train.publish.signing import Keyring
+    from nimmer_train.publish.versions import open_version, verified_copy
+
+    folder: Path = args.player_dir.resolve()
+    memory = _open_player(folder)
+    try:
+        record = get_consent(memory)
+        reason = takes_part(record)
+        if reason is not None:
+            raise NimmerError(
+                f"{folder} takes no part in federated rounds: {reason}; "
+                f"`nimmer consent set A1_federated {folder}` to contribute"
+            )
+        read_profile(folder)
+        ident = contributor_id(memory)
+    finally:
+        memory.close()
+    print(
+        f"consent: A1_federated since {_stamp(record.granted_at)}, sharing "
+        f"{', '.join(sorted(set(record.data_categories_shared) - set(record.excluded_categories)))}; "
+        f"contributor id {ident} (stays on this device); only the masked update leaves it",
+        flush=True,
+    )
+    if not args.root_certificates.is_file():
+        raise NimmerError(
+            f"--root-certificates {args.root_certificates}: no such file (the operator's ca.crt)"
+        )
+    keyring = Keyring.load(args.trusted_keys or args.releases.parent / "keys" / "trusted")
+    version = open_version(args.releases, args.version, keyring)
+    register = _register(version.loras, args.register, version.label)
+    print(f"verified {version.label}: signature and every file's sha256; register {register}", flush=True)
+    port = args.port or free_port(args.host)
+
+    def still_takes_part() -> str | None:
+        memory = _open_player(folder)
+        try:
+            return takes_part(get_consent(memory))
+        finally:
+            memory.close()
+
+    with verified_copy(version) as copy:  # the SuperNode loads the very bytes verified
+        node = SuperNode(
+            args.superlink,
+            args.root_certificates.resolve(),
+            node_config(copy.folder, copy.loras[register], folder, args.superlink),
+            port,
+            folder / ".flower",
+        )
+        print(
+            f"starting a Flower SuperNode: SuperLink {args.superlink} over TLS "
+            f"(CA {args.root_certificates}), local port {port}",
+            flush=True,
+        )
+        code = run_supernode(node, still_takes_part, lambda line: print(line, flush=True))
+    if code:
+        raise NimmerError(f"the SuperNode exited with code {code}; its log is above")
+    return 0
+
+
+def _register(loras: dict[str, Path], wanted: str | None, label: str) -> str:
+    if wanted:
+        if wanted not in loras:
+            raise NimmerError(
+                f"no LoRA of register {wanted} fits {label}; fitting: {', '.join(loras) or 'none'}"
+            )
+        return wanted
+    if len(loras) != 1:
+        raise NimmerError(
+            f"{label} has {len(loras)} fitting register LoRAs ({', '.join(loras) or 'none'}); "
+            "pass --register, the one the federation improves"
+        )
+    return next(iter(loras))
+
+
+def _federation(args: argparse.Namespace) -> int:
+    if args.command == "certs":
+        from nimmer_train.federation.certs import make_certificates
+
+        made = make_certificates(args.folder, args.host, args.days)
+        print(
+            f"{'reused' if made.ca_reused else 'new'} CA {made.ca} (give it to contributors; keep "
+            f"{made.ca_key} offline); server certificate {made.server} and key {made.server_key} "
+            f"for {', '.join(args.host)}"
+        )
+        return 0
+    from nimmer_train.artifacts import write_json_atomic
+    from nimmer_train.federation.intake import add_uploads, apply_deletion_request, pooled_ids
+    from nimmer_train.privacy.a2_pool import pool_summary
+
+    if args.a2_command == "add":
+        ids, forgotten = add_uploads(args.pool, args.files, args.k)
+        print(f"pooled {len(ids)} upload(s) in {args.pool}: {', '.join(ids)}")
+        if forgotten:
+            print(f"refused {len(forgotten)} upload(s) their players asked forgotten (files deleted)")
+    elif args.a2_command == "status":
+        print(
+            json.dumps(
+                {**pool_summary(args.pool, args.k), "upload_ids": pooled_ids(args.pool, args.k)}, indent=2
+            )
+        )
+    else:
+        answer = apply_deletion_request(args.pool, args.request, args.k)
+        path = args.answer or args.request.with_name(args.request.stem + ".answer.json")
+        write_json_atomic(path, answer)
+        print(
+            f"forgot {len(answer['dropped'])} upload(s) in {args.pool} ({len(answer['blocked'])} were not "
+            f"pooled and are now refused); answer for the device: {path}"
+        )
+    return 0
+
+
+CONTRIBUTOR_GROUPS = {
+    "consent": _consent,
+    "contributions": _contributions,
+    "contribute": _contribute,
+    "federation": _federation,
+}
+
+
+def _add_contributor(groups: Any) -> None:
+    from nimmer_train.config.federated import FederatedConfig
+    from nimmer_train.memory.consent import TIERS
+    from nimmer_train.memory.entries import DATA_CATEGORIES
+
+    consent = groups.add_parser(
+        "consent", help="a player's consent to share data for training"
+    ).add_subparsers(dest="command", required=True)
+    consent.add_parser("show", help="tier, categories, revocation, profile").add_argument(
+        "player_dir", type=Path
+    )
+    set_cmd = consent.add_parser("set", help="consent to a tier now (lifts a revocation)")
+    set_cmd.add_argument("tier", choices=TIERS)
+    set_cmd.add_argument("player_dir", type=Path)
+    set_cmd.add_argument(
+        "--share", nargs="+", choices=DATA_CATEGORIES, help="default: every shareable category"
+    )
+    set_cmd.add_argument("--player-id", default=None, help="writes the profile the device redacts with")
+    set_cmd.add_argument("--player-name", default=None)
+    consent.add_parser("revoke", help="share nothing from now on").add_argument("player_dir", type=Path)
+    exclude = consent.add_parser("exclude", help="never share one data category")
+    exclude.add_argument("category", choices=DATA_CATEGORIES)
+    exclude.add_argument("player_dir", type=Path)
+
+    log = groups.add_parser(
+        "contributions",
+        help="what left this device and what it cost; `upload` writes an A.2 upload, `forget` asks "
+        "the operator to drop this device's A.2 uploads (or records the answer with --answer)",
+    )
+    log.add_argument("words", nargs="+", metavar="[upload|forget] PLAYER_DIR")
+    log.add_argument("--json", action="store_true")
+    log.add_argument("--out", type=Path, default=None, help="upload: a folder; forget: the request file")
+    log.add_argument("--answer", type=Path, default=None, help="forget: the operator's answer file")
+
+    contribute = groups.add_parser("contribute", help="join a federation: a Flower SuperNode for this player")
+    contribute.add_argument("player_dir", type=Path)
+    contribute.add_argument("--superlink", required=True, help="the operator's HOST:PORT (Flower 1.42: 8000)")
+    contribute.add_argument("--root-certificates", type=Path, required=True, help="the operator's ca.crt")
+    contribute.add_argument("--releases", type=Path, default=Path("releases"))
+    contribute.add_argument("--version", default="production", help="the base version the federation names")
+    contribute.add_argument("--register", default=None, help="the register LoRA the federation improves")
+    contribute.add_argument(
+        "--trusted-keys", type=Path, default=None, help="default: RELEASES/../keys/trusted"
+    )
+    contribute.add_argument(
+        "--port", type=int, default=0, help="the SuperNode's local port (default: a free one)"
+    )
+    contribute.add_argument("--host", default="127.0.0.1", help="the SuperNode's local address")
+
+    federation = groups.add_parser("federation", help="the operator's side").add_subparsers(
+        dest="command", required=True
+    )
+    certs = federation.add_parser("certs", help="a CA (reused if present) and the SuperLink's certificate")
+    certs.add_argument("folder", type=Path)
+    certs.add_argument("--host", action="append", required=True, help="a name or address of the SuperLink")
+    certs.add_argument("--days", type=int, default=365)
+    a2 = federation.add_parser("a2", help="the A.2 intake pool").add_subparsers(
+        dest="a2_command", required=True
+    )
+    k = FederatedConfig().a2_k
+    for name, text in (
+        ("add", "pool anonymised upload files"),
+        ("status", "the pool's counts and upload ids (operator only)"),
+        ("forget", "apply a device's deletion request; writes the answer for it"),
+    ):
+        cmd = a2.add_parser(name, help=text)
+        cmd.add_argument("--pool", type=Path, required=True)
+        cmd.add_argument("--k", type=int, default=k, help=f"the pool's training threshold (default {k})")
+        if name == "add":
+            cmd.add_argument("files", type=Path, nargs="+")
+        elif name == "forget":
+            cmd.add_argument("request", type=Path)
+            cmd.add_argument("--answer", type=Path, default=None, help="default: REQUEST.answer.json")
 
 
 if __name__ == "__main__":

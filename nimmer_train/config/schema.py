@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import MISSING, OmegaConf
 
-from nimmer_train.config.federated import FederatedConfig
+from nimmer_train.config.federated import FederatedConfig, PrivacySweepConfig
 from nimmer_train.config.teacher import TeacherConfig
 from nimmer_train.errors import ConfigError
 from nimmer_train.voice.composition import CompositionConfig
@@ -304,6 +304,7 @@ class Config:
     curation: CurationConfig = field(default_factory=CurationConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
+    privacy_sweep: PrivacySweepConfig = field(default_factory=PrivacySweepConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 

@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("federation",),
     ("publish",),
     ("runtime",),
+    ("review",),  # what the review notebooks read: the store, the releases, the export paths
     ("run_all", "cli"),
 )
 LAYER = {unit: level for level, units in enumerate(LAYERS) for unit in units}

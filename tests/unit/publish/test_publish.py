@@ -167,6 +167,11 @@ def test_mlflow_model_registry_and_promote(tiny_run: Path, capsys: pytest.Captur
     assert cli.main(["versions", "--releases", releases, "list"]) == 0
     out = capsys.readouterr().out
     assert "nimmerworld-base-v1" in out and "production" in out and "candidate" in out
+    assert "eps A.1 user-level" in out and "eps A.2 record-level" in out  # both guarantees, labelled
+    privacy = manifest["privacy"]
+    v2_line = next(line for line in out.splitlines() if line.startswith("nimmerworld-base-v2"))
+    assert f"{privacy['epsilon_a1_user_level']:.3f}" in v2_line
+    assert f"{privacy['epsilon_a2_record_level']:.3f}" in v2_line
     assert cli.main(["versions", "--releases", releases, "verify", "production"]) == 0
     assert "signature OK" in capsys.readouterr().out
     assert cli.main(["versions", "--releases", releases, "show", "v2"]) == 0
