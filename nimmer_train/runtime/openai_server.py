@@ -228,7 +228,7 @@ def _prepare(
         seen["ids"] = model.prompt_ids(messages)
         return len(seen["ids"])
 
-    specials = model.special_tokens
+    specials = tuple(getattr(model.tokenizer, "all_special_tokens", ()))  # every HF tokenizer has them
     req = check_chat(body, model_ids(model), model.context_tokens, count, limits, schemas, specials)
     job = model.prepare(
         req.messages,
