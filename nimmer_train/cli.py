@@ -520,7 +520,8 @@ def _forget(folder: Path, out: Path | None, answer: Path | None) -> int:
                 "adapters already released keep what they learned from them"
             )
             return 0
-        path = out or folder / f"deletion-request-{int(time.time())}.json"
+        name = f"deletion-request-{int(time.time())}.json"
+        path = out / name if out is not None and out.is_dir() else out or folder / name  # a folder: inside it
         request = make_request(memory, path)
     finally:
         memory.close()

@@ -183,3 +183,14 @@ def test_a2_uploads_reach_the_pool_and_a_forget_request_drops_them(
     assert main(["federation", "a2", "add", "--pool", str(pool), str(mine_file)]) == 0
     assert "refused 1 upload(s) their players asked forgotten" in capsys.readouterr().out
     assert not mine_file.exists()  # the intake keeps no copy of a forgotten upload
+
+
+def test_a_forget_request_given_a_folder_is_written_inside_it(tmp_path: Path, capsys) -> None:
+    device = tmp_path / "me"
+    generate_player(device, HashEmbedder(), seed=7, entries=20, player_id="player-9", tier="A2_anonymized")
+    assert main(["contributions", "upload", str(device), "--out", str(tmp_path / "outbox")]) == 0
+    requests = tmp_path / "requests"
+    requests.mkdir()
+    assert main(["contributions", "forget", str(device), "--out", str(requests)]) == 0
+    (written,) = requests.glob("deletion-request-*.json")
+    assert json.loads(written.read_text())["upload_ids"] and str(written) in capsys.readouterr().out
