@@ -8,6 +8,7 @@ the Hydra config).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,7 @@ def client_app(
     """
 
     def client_fn(context: Context) -> Any:
+        logging.getLogger("flwr").setLevel(logging.INFO)  # in a simulation worker: no per-node DEBUG lines
         faults = drills(context) if drills else {}
         crash = frozenset(r for r, f in faults.items() if f == "crash")
         return Contributor(node_of(context), crash).to_client()
