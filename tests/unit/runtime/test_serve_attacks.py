@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from nimmer_train.runtime.engine import Engine
 from nimmer_train.runtime.local_model import EngineSettings, LocalModel
@@ -26,20 +25,6 @@ from tests.helpers.published import REGISTERS, publish_registers
 
 MESSAGES = [{"role": "user", "content": "Speak."}]
 HANG_GUARD_S = 120.0  # generous: only a hang (the bug) ever reaches it
-
-
-@pytest.fixture(scope="module")
-def model(published: tuple[Path, Path]) -> Iterator[LocalModel]:
-    releases, trusted = published
-    m = LocalModel.open(releases, "v1", trusted)
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def url(model: LocalModel) -> Iterator[str]:
-    with serve_app(create_app(model, adapter_updates=True)) as base:
-        yield base
 
 
 def _until(check: Callable[[], bool], what: str) -> None:

@@ -21,7 +21,6 @@ from jsonschema import validate
 
 from nimmer_train.runtime.local_model import EngineSettings, LocalModel
 from nimmer_train.runtime.openai_server import create_app
-from tests.helpers.loopback import serve_app
 
 SCHEMA = {
     "type": "object",
@@ -34,20 +33,6 @@ MESSAGES = [
     {"role": "system", "content": '{"role":"a drunk scavenger"}'},
     {"role": "user", "content": "Speak."},
 ]
-
-
-@pytest.fixture(scope="module")
-def model(published: tuple[Path, Path]) -> Iterator[LocalModel]:
-    releases, trusted = published
-    m = LocalModel.open(releases, "v1", trusted)
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def url(model: LocalModel) -> Iterator[str]:
-    with serve_app(create_app(model, adapter_updates=True)) as base:
-        yield base
 
 
 def test_openai_client_streams_a_schema_completion_as_valid_json(model: LocalModel, url: str) -> None:
