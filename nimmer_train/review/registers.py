@@ -9,6 +9,7 @@ from typing import Any
 import pandas as pd
 from mlflow.entities import Run
 
+from nimmer_train.errors import NimmerError
 from nimmer_train.review.sources import Sources, artifact_json, runs
 
 SUMMARY = "evaluation/summary.json"
@@ -18,6 +19,19 @@ SAMPLES = "evaluation/samples.json"
 def evaluation(src: Sources, run: Run) -> dict[str, Any] | None:
     """The evaluation summary a train_loras run logged (None when it evaluated nothing)."""
     return artifact_json(src, run, SUMMARY)
+
+
+def last_evaluated(src: Sources) -> tuple[Run, dict[str, Any]]:
+    """The newest train_loras run that evaluated adapters, with its summary (a run that skipped
+    every register evaluated nothing); a clear error when there is none."""
+    for run in runs(src, "train_loras"):
+        summary = evaluation(src, run)
+        if summary is not None:
+            return run, summary
+    raise NimmerError(
+        f"no train_loras run in {src.tracking_uri} evaluated adapters: run "
+        f"`python -m pipelines.train_loras paths.workdir={src.workdir}` with enough scenes per register"
+    )
 
 
 def matrix(summary: dict[str, Any], data: str | None = None, tokens: str | None = None) -> pd.DataFrame:

@@ -77,9 +77,10 @@ def bounded(
     one per character without it) closes within ``max_new_tokens``, the end-of-turn token
     included: a maxLength on each top-level string property and, when the budget is tight, only
     the required properties. Whatever it admits is valid under ``schema``. A reply that runs
-    denser than that is closed by :class:`SchemaMask` when its budget runs out from inside or
-    just after a string value; one that runs out inside a key it has just started is left open
-    and the turn fails as ``invalid_output`` (never malformed JSON to the game)."""
+    denser than that is closed by :class:`SchemaMask` before its budget could no longer hold
+    another property; one that still runs out inside a key (a model spelling it in many more
+    tokens than the tokenizer would) is left open and the turn fails as ``invalid_output``
+    (never malformed JSON to the game)."""
     props = schema.get("properties")
     if schema.get("type") != "object" or not isinstance(props, dict):
         return schema
@@ -117,9 +118,11 @@ CLOSE_MARGIN = 2  # start closing this many tokens before the last moment (a str
 class RowGrammar:
     """One reply's grammar state for a batched decoder: every token that cannot continue a reply
     valid under ``schema`` in the training format is masked. With ``max_new_tokens``, once the
-    budget is down to what closing takes it forces the shortest close (a closing quote and brace,
-    then the end-of-turn token) when one is valid. Built off the decode thread (compiling is the
-    costly part); :meth:`allowed` and :meth:`consume` are microseconds per token."""
+    budget is down to what one more property would take (its key, an empty value and the close:
+    the reply could not start another and still close) it forces the shortest close (a closing
+    quote and brace, then the end-of-turn token) at the first token where one is valid. Built off
+    the decode thread (compiling is the costly part); :meth:`allowed` and :meth:`consume` are
+    microseconds per token."""
 
     def __init__(
         self, tokenizer: Any, schema: dict[str, Any], n_vocab: int, max_new_tokens: int | None = None
@@ -129,6 +132,9 @@ class RowGrammar:
         self.matcher = reply_matcher(tokenizer, schema, n_vocab)
         self.max_new_tokens = max_new_tokens
         self.closers = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in CLOSERS]
+        encode = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+        one_more = [encode(", " + render_reply({n: ""}, schema)[1:]) for n in schema.get("properties", {})]
+        self.close_from = 1 + CLOSE_MARGIN + max([*one_more, *map(len, self.closers)])  # + end-of-turn
         self.bitmask = allocate_token_bitmask(1, n_vocab)
         self.bits = torch.arange(32, dtype=torch.int32)
 
@@ -151,8 +157,7 @@ class RowGrammar:
         """The first token of the shortest valid close (one that leaves the reply complete) when
         only ``left`` tokens remain, one of them for the end-of-turn token; None while there is
         room, or when no close is valid yet."""
-        longest = max(map(len, self.closers))
-        if self.matcher.is_accepting() or left > longest + 1 + CLOSE_MARGIN:
+        if self.matcher.is_accepting() or left > self.close_from:
             return None
         for ids in sorted(self.closers, key=len):
             if len(ids) > left - 1 or self.matcher.validate_tokens(ids) < len(ids):

@@ -365,8 +365,9 @@ def test_a_request_that_could_not_be_written_can_be_asked_again(
     finally:
         memory.close()
     assert upload is not None
-    blocked = tmp_path / "a-folder"
-    blocked.mkdir()  # the request's path is a folder: the write fails
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
+    blocked = not_a_folder / "request.json"  # its parent is a file: the write fails
     assert main(["contributions", "forget", str(device), "--out", str(blocked)]) == 1
     assert "could not write the deletion request" in capsys.readouterr().err
     request = tmp_path / "request.json"

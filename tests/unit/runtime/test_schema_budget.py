@@ -70,3 +70,24 @@ def test_schema_mask_closes_a_reply_that_runs_out_of_tokens(tokenizer) -> None: 
         text = tokenizer.decode(out, skip_special_tokens=True)
         reply = validate_reply(text, TURN_SCHEMA)
         assert reply["utterance"] and render_reply(reply) == text
+
+
+def test_a_reply_that_starts_another_property_late_still_closes(tokenizer) -> None:  # noqa: ANN001
+    """Found in CI: a model that closed a string and began the next optional property a few
+    tokens before its budget ran out stopped inside that key (`..., "gesture":`), which is not
+    JSON. Random logits under the mask begin properties anywhere; every reply must still close."""
+    n_vocab = len(tokenizer)
+    eot = end_of_turn_ids(tokenizer)
+    for seed in range(60):
+        gen = torch.Generator().manual_seed(seed)
+        budget = 24 + seed % 30
+        mask = SchemaMask(tokenizer, dict(TURN_SCHEMA), n_vocab, 0, max_new_tokens=budget)
+        ids = torch.zeros((1, 0), dtype=torch.long)
+        for _ in range(budget):
+            scores = mask(ids, torch.randn((1, n_vocab), generator=gen) * 4)
+            token = int(torch.multinomial(scores.softmax(-1), 1, generator=gen))
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            if token in eot:
+                break
+        text = tokenizer.decode(ids[0].tolist(), skip_special_tokens=True)
+        validate_reply(text, TURN_SCHEMA)  # raises on a reply left open
