@@ -47,6 +47,7 @@ def settings_for(population: int, cohort: int, rounds: int) -> FederatedConfig:
         entries_per_player=24,
         heldout_examples=16,
         delta=1e-6,
+        exposure_canaries=0,  # the federation's seconds, not its canary audit's (bench_audit)
     )
 
 

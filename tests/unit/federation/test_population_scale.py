@@ -44,6 +44,7 @@ SETTINGS = FederatedConfig(
     max_length=32,
     entries_per_player=24,
     heldout_examples=8,
+    exposure_canaries=0,  # the record-level canary audit has its own tests (tests/unit/privacy)
 )
 
 
