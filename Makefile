@@ -23,8 +23,8 @@ demo: install
 	$(BIN)/python -m pipelines.run_all experiment=demo
 	$(BIN)/python -m nimmer_train.review.notebooks render --workdir .
 
-test: install lint
-	$(BIN)/python -m pytest
+test: install lint  # one pytest-xdist worker per core; the slow shared jobs run once, in the background
+	$(BIN)/python -m pytest -n auto --dist loadgroup
 
 lint: install
 	$(BIN)/ruff check .

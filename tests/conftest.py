@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers import CORPUS
 from tests.helpers.pipelines import run_pipeline
+from tests.helpers.shared_job import SharedJob
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -27,25 +28,58 @@ def corpus_dir() -> Path:
     return CORPUS
 
 
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
-    """One `run_all experiment=ci_tiny` shared by the end-to-end tests; returns its workdir. Its
-    timeout is run_pipeline's hang guard (30 min), never a bound on how slow the machine may be."""
-    workdir = tmp_path_factory.mktemp("tiny_run")
+HANG_GUARD_S = 40 * 60  # a shared job that has not ended by then hangs; never a speed bound
+
+
+def _tiny_run(workdir: Path) -> Path:
     proc = run_pipeline("run_all", workdir, "experiment=ci_tiny")
     (workdir / "run_all.log").write_text(proc.stdout + proc.stderr)  # what the server side printed
     return workdir
 
 
-@pytest.fixture(scope="session", autouse=True)
-def flower_two_rounds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """The Flower deployment run (tests/e2e/test_federation_deploy.py), started in the background
-    when the session begins, when that test is selected; the test joins it."""
-    if not any(item.path.resolve() == FLOWER_DEPLOY_TEST for item in request.session.items):
-        yield None
-        return
-    from tests.e2e.test_federation_deploy import start
+def _flower_deployment(work: Path) -> dict:
+    from tests.e2e.test_federation_deploy import journey
 
-    job = start(tmp_path_factory.mktemp("flower_deployment"))
-    yield job
-    job.join(timeout=60)
+    return journey(work)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """The session's slow shared jobs (tests/helpers/shared_job.py), started in the background
+    when the session begins, each only when a selected test needs it: the tiny end-to-end run and
+    the Flower deployment (tests/e2e/test_federation_deploy.py). The suite goes on meanwhile."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # shared by the workers
+    jobs = {"tiny_run": SharedJob(root, "tiny_run", _tiny_run)}
+    jobs["flower_deployment"] = SharedJob(root, "flower_deployment", _flower_deployment)
+    items = request.session.items
+    if CORPUS.is_dir() and any("tiny_run" in item.fixturenames for item in items):
+        jobs["tiny_run"].start()  # (without the corpus, corpus_dir fails each test that needs it)
+    if any(item.path.resolve() == FLOWER_DEPLOY_TEST for item in items):
+        jobs["flower_deployment"].start()
+    yield jobs
+    for job in jobs.values():
+        job.close(HANG_GUARD_S)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(shared_jobs: dict[str, SharedJob], corpus_dir: Path) -> Path:
+    """One `run_all experiment=ci_tiny` shared by the end-to-end tests; returns its workdir."""
+    shared_jobs["tiny_run"].start()  # (already claimed when the session began)
+    return shared_jobs["tiny_run"].outcome(HANG_GUARD_S)
+
+
+@pytest.fixture(scope="session")
+def flower_two_rounds(shared_jobs: dict[str, SharedJob]) -> dict:
+    """The Flower deployment's outcome (tests/e2e/test_federation_deploy.py :func:`journey`)."""
+    shared_jobs["flower_deployment"].start()
+    return shared_jobs["flower_deployment"].outcome(HANG_GUARD_S)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """pytest-xdist groups (``--dist loadgroup``): a file's tests run in one worker (its module
+    fixtures are built once), and every test of the tiny run in one worker, in order (they run
+    stages in its workdir)."""
+    for item in items:
+        group = "tiny_run" if "tiny_run" in item.fixturenames else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -8,9 +8,9 @@ player asks to be forgotten and the operator applies it; the next federation (on
 without the revoked device, which is not counted, and without the forgotten upload. The planted
 ids of all four players are searched for in everything the server side holds.
 
-The deployment spends most of its time in Flower's 3-second polls, so tests/conftest.py's
-``flower_two_rounds`` fixture starts :func:`journey` in a background thread when the session
-begins (only when this test is selected) and the test below joins it.
+The deployment spends most of its time in Flower's 3-second polls, so tests/conftest.py starts
+:func:`journey` in the background when the session begins (only when this test is selected) and
+the ``flower_two_rounds`` fixture hands the test its outcome.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from nimmer_train.memory.synthetic import generate_player
 from nimmer_train.publish.signing import Keyring
 from nimmer_train.publish.versions import open_version
 from tests.helpers import REPO
-from tests.helpers.flower_deployment import BIN, Background, deployment, free_ports, nimmer
+from tests.helpers.flower_deployment import BIN, deployment, free_ports, nimmer
 from tests.helpers.memory import HashEmbedder
 from tests.helpers.published import publish_registers
 
@@ -170,20 +170,14 @@ def journey(work: Path) -> dict[str, Any]:
     return result
 
 
-def start(work: Path) -> Background:
-    job = Background(journey, work)
-    job.start()
-    return job
-
-
 def _records(out: Path) -> list[dict[str, Any]]:
     (published,) = out.iterdir()
     return json.loads((published / "rounds.json").read_text())
 
 
 @pytest.mark.slow
-def test_contributors_join_see_their_spend_leave_and_are_forgotten(flower_two_rounds: Background) -> None:
-    result = flower_two_rounds.outcome(timeout=40 * 60)  # a hang guard, not a speed bound
+def test_contributors_join_see_their_spend_leave_and_are_forgotten(flower_two_rounds: dict[str, Any]) -> None:
+    result = flower_two_rounds
     assert len(result["planted"]) == 8 and result["hits"] == []
     assert result["killed"] == [] and result["shutdown_seconds"] < 30 and result["all_exited"]
     first = _records(result["out"])

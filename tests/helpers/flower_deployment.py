@@ -17,7 +17,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -274,27 +273,3 @@ def tiny_release(
     write_json_atomic(adapter / METADATA, {"register": "caste-preacher", "base": base_identity(base)})
     write_manifest(adapter, "register_adapter", "test", {})
     return base, adapter, count_parameters(model)
-
-
-class Background(threading.Thread):
-    """``job(work)`` in a thread; :meth:`outcome` joins it and returns its result or raises its
-    error. For deployment runs that mostly wait on Flower's polling: the suite goes on meanwhile."""
-
-    def __init__(self, job: Any, work: Path) -> None:
-        super().__init__(daemon=True)
-        self.job, self.work = job, work
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.job(self.work)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test that reads it
-            self.error = exc
-
-    def outcome(self, timeout: float) -> Any:
-        self.join(timeout)
-        assert not self.is_alive(), f"the background deployment did not finish within {timeout} s"
-        if self.error is not None:
-            raise self.error
-        return self.result
