@@ -78,8 +78,11 @@ def flower_two_rounds(shared_jobs: dict[str, SharedJob]) -> dict:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """pytest-xdist groups (``--dist loadgroup``): a file's tests run in one worker (its module
-    fixtures are built once), and every test of the tiny run in one worker, in order (they run
-    stages in its workdir)."""
+    fixtures are built once), and every test of the tiny run in one worker, in order (some run
+    stages in its workdir). The tests that wait for a shared job go last, so that the workers
+    run the others while the jobs run in the background."""
+    waits = {id(i) for i in items if "tiny_run" in i.fixturenames or i.path.resolve() == FLOWER_DEPLOY_TEST}
+    items.sort(key=lambda item: id(item) in waits)  # stable: the order within each part stays
     for item in items:
         group = "tiny_run" if "tiny_run" in item.fixturenames else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
