@@ -17,6 +17,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # Flower may not call out of the machine
 os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+if os.environ.get("PYTEST_XDIST_WORKER"):  # several workers share the cores: one thread each, and in
+    for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # their subprocesses (OpenMP threads that
+        os.environ.setdefault(_threads, "1")  # wait for a busy core spin, and slowed tests tenfold)
 
 FLOWER_DEPLOY_TEST = Path(__file__).resolve().parent / "e2e" / "test_federation_deploy.py"
 
