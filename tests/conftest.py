@@ -79,13 +79,22 @@ def flower_two_rounds(shared_jobs: dict[str, SharedJob]) -> dict:
     return shared_jobs["flower_deployment"].outcome(HANG_GUARD_S)
 
 
+def _scope(item: pytest.Item) -> str:
+    """The item's xdist group: the tiny run's tests together; a test that shares a module (or
+    class) fixture with its file's tests beside them (the fixture is built once); else alone."""
+    if "tiny_run" in item.fixturenames:
+        return "tiny_run"
+    info = getattr(item, "_fixtureinfo", None)
+    defs = [d for ds in (info.name2fixturedefs.values() if info else ()) for d in ds]
+    shared = any(d.scope in ("module", "class", "package") for d in defs)
+    return item.nodeid.split("::")[0] if shared else item.nodeid
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """pytest-xdist groups (``--dist loadgroup``): a file's tests run in one worker (its module
-    fixtures are built once), and every test of the tiny run in one worker, in order (some run
-    stages in its workdir). The tests that wait for a shared job go last, so that the workers
-    run the others while the jobs run in the background."""
+    """pytest-xdist groups (``--dist loadgroup``, :func:`_scope`); every test of the tiny run runs
+    in one worker, in order (some run stages in its workdir). The tests that wait for a shared
+    job go last, so that the workers run the others while the jobs run in the background."""
     waits = {id(i) for i in items if "tiny_run" in i.fixturenames or i.path.resolve() == FLOWER_DEPLOY_TEST}
     items.sort(key=lambda item: id(item) in waits)  # stable: the order within each part stays
     for item in items:
-        group = "tiny_run" if "tiny_run" in item.fixturenames else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(_scope(item)))
