@@ -51,6 +51,10 @@ class EngineClosed(NimmerError):
     """The engine is shutting down (or its thread died) and takes no new requests."""
 
 
+class AdapterGone(NimmerError):
+    """The job's register adapter was unloaded after the job was prepared."""
+
+
 @dataclass(frozen=True)
 class Delta:
     choice: int
@@ -171,17 +175,21 @@ class Engine:
 
     def submit(self, job: Job) -> Job:
         """Queue ``job`` (its events go to ``job.sink``); QueueFull when more than ``max_waiting``
-        rows would wait beyond the batch's room, EngineClosed when shutting down. Returns the
-        job (``cancel()`` frees its rows)."""
+        rows would wait beyond the batch's room, EngineClosed when shutting down, AdapterGone
+        when its adapter was unloaded since it was prepared. Returns the job (``cancel()`` frees
+        its rows)."""
         if job.n > self.max_batch:
             raise NimmerError(f"n={job.n} is more rows than the engine's batch of {self.max_batch}")
         with self.cond:
             if self.closing or not self.alive:
                 raise EngineClosed("the engine is shutting down; no new requests")
+            loaded = self.lora.names if self.lora is not None else []
+            if job.adapter is not None and job.adapter not in loaded:  # unloaded since prepared
+                raise AdapterGone(f"no LoRA for register {job.adapter!r} is loaded any more")
             self._purge()  # a client that went away while queued holds no place in the queue
             queued = sum(j.n for j in self.waiting) + len(self.rows) + job.n - self.max_batch
             if queued > self.max_waiting:  # rows beyond the batch's room, this job's included
-                raise QueueFull(len(self.waiting), max(1, round(self._turn_s())))
+                raise QueueFull(len(self.waiting), self.retry_after_s())
             self.waiting.append(job)
             self.metrics.waiting = len(self.waiting)
             self.cond.notify_all()
@@ -217,8 +225,15 @@ class Engine:
             self.waiting = collections.deque(j for j in self.waiting if not j.cancelled)
             self.metrics.waiting = len(self.waiting)
 
-    def _turn_s(self) -> float:
-        return self.metrics.e2e.mean() or 1.0
+    def room(self) -> int:
+        """Rows the engine would still accept now: the batch's free room plus the queue's."""
+        with self.cond:
+            self._purge()
+            return self.max_batch + self.max_waiting - len(self.rows) - sum(j.n for j in self.waiting)
+
+    def retry_after_s(self) -> int:
+        """What a refused client should wait: about one turn's mean latency, at least 1 s."""
+        return max(1, round(self.metrics.e2e.mean() or 1.0))
 
     # --- the decode thread -------------------------------------------------------------------
 

@@ -250,16 +250,16 @@ class LocalModel:
 
     def _detach(self, register: str) -> None:  # on the decode thread
         busy = [r for r in self.engine.rows if r.job.adapter == register]
-        with self.engine.cond:  # accepted and waiting for the batch: they would fail at prefill
+        with self.engine.cond:  # accepted and waiting for the batch: they would fail at prefill;
             queued = [j for j in self.engine.waiting if j.adapter == register and not j.cancelled]
-        if busy or queued:
-            raise AdapterBusy(
-                f"register {register!r} is speaking in {len(busy)} rows and {len(queued)} requests "
-                "wait for it; unload it later"
-            )
-        self.model.delete_adapter(register)
-        assert self.engine.lora is not None
-        self.engine.lora.rebuild()
+            if busy or queued:
+                raise AdapterBusy(
+                    f"register {register!r} is speaking in {len(busy)} rows and {len(queued)} "
+                    "requests wait for it; unload it later"
+                )
+            self.model.delete_adapter(register)  # under the lock: a job prepared for it before
+            assert self.engine.lora is not None  # the unload is refused at submit (AdapterGone),
+            self.engine.lora.rebuild()  # never queued to fail at prefill
         self.engine.prefixes.clear()
 
     def close(self) -> None:

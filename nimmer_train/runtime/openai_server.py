@@ -23,6 +23,7 @@ Template and grammar work runs on one preparation thread, never on the decode th
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -37,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from nimmer_train.errors import NimmerError
-from nimmer_train.runtime.engine import Delta, Done, EngineClosed, Failed, Job, QueueFull
+from nimmer_train.runtime.engine import AdapterGone, Delta, Done, EngineClosed, Failed, Job, QueueFull
 from nimmer_train.runtime.local_model import AdapterBusy, LocalModel
 from nimmer_train.runtime.request_limits import (
     ChatRequest,
@@ -55,6 +56,17 @@ log = logging.getLogger(__name__)
 def _error(status: int, message: str, code: str, param: str | None = None, **headers: str) -> JSONResponse:
     return JSONResponse(
         RequestError(status, message, code, param).body(), status_code=status, headers=headers
+    )
+
+
+def _busy(retry_after_s: int, preparing: int) -> JSONResponse:
+    """429 before a request is even read: the ones already being prepared fill the engine's room."""
+    return _error(
+        429,
+        f"the server is busy: {preparing} requests are being prepared and the queue is full; "
+        f"retry in {retry_after_s} s",
+        "rate_limit_exceeded",
+        **{"Retry-After": str(retry_after_s)},
     )
 
 
@@ -102,6 +114,7 @@ def create_app(
         1, thread_name_prefix="nimmer-prep"
     )  # templates, grammars: off the decode thread
     created = int(time.time())
+    preparing = collections.Counter()  # requests read or being prepared, not yet in the engine
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -166,6 +179,9 @@ def create_app(
         def sink(event: Any) -> None:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
+        if preparing["rows"] >= m.engine.room():  # the engine could not take them all: refuse
+            return _busy(m.engine.retry_after_s(), preparing["rows"])  # now, not after preparing
+        preparing["rows"] += 1
         try:
             body = await read_json(request, limits)
             req, job = await loop.run_in_executor(prep, _prepare, m, body, limits, schemas, sink)
@@ -175,12 +191,16 @@ def create_app(
             return _error(400, str(exc), "invalid_response_format", "response_format")
         except NimmerError as exc:  # e.g. a register unloaded since the check
             return _error(404, str(exc), "model_not_found", "model")
+        finally:
+            preparing["rows"] -= 1
         try:
             m.engine.submit(job)
         except QueueFull as exc:
             return _error(429, str(exc), "rate_limit_exceeded", **{"Retry-After": str(exc.retry_after_s)})
         except EngineClosed as exc:
             return _error(503, str(exc), "shutting_down")
+        except AdapterGone as exc:  # unloaded while this request was being prepared
+            return _error(404, str(exc), "model_not_found", "model")
         except NimmerError as exc:  # n beyond this engine's batch
             return _error(400, f"n: {exc}", "invalid_value", "n")
         if req.stream:

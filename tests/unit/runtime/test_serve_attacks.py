@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from nimmer_train.runtime.engine import Engine
 from nimmer_train.runtime.local_model import EngineSettings, LocalModel
@@ -229,6 +230,73 @@ def test_clients_gone_while_queued_hold_no_place_in_the_bounded_queue(published:
             assert out["late"].status_code == 200, out["late"].text
             assert not m.engine.waiting and not m.engine.rows
     finally:
+        m.close()
+
+
+def test_a_burst_beyond_the_engines_room_is_refused_before_it_is_prepared(
+    published: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the preparation pool's queue had no bound: a burst waited there, every body held in
+    # memory, and met the bounded queue's 429 only after its turn at preparation
+    releases, trusted = published
+    m = LocalModel.open(releases, "v1", trusted, settings=EngineSettings(max_batch=1, max_waiting=1))
+    gate, prepare = threading.Event(), m.prepare
+
+    def slow_prepare(*args: Any, **kwargs: Any) -> Any:  # preparation that takes its time
+        gate.wait(HANG_GUARD_S)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(m, "prepare", slow_prepare)
+    try:
+        with serve_app(create_app(m)) as base:
+            out: dict[str, httpx.Response] = {}
+            threads = [_post_in_thread(base, _chat(m, max_tokens=5), out, str(i)) for i in range(6)]
+            _until(lambda: len(out) == 4, "the four beyond the room (batch 1 + queue 1) refused")
+            refused = list(out.values())  # answered while the first two were still preparing
+            assert all(r.status_code == 429 and int(r.headers["Retry-After"]) >= 1 for r in refused)
+            assert "busy" in refused[0].json()["error"]["message"]
+            gate.set()
+            for t in threads:
+                t.join()
+            assert sorted(r.status_code for r in out.values()) == [200, 200, 429, 429, 429, 429]
+            assert not m.engine.waiting and not m.engine.rows
+    finally:
+        gate.set()
+        m.close()
+
+
+def test_a_register_unloaded_while_a_request_is_prepared_is_a_404_not_a_500(
+    published: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the unload checked only the queued and running requests: one still being prepared for the
+    # register was queued after its adapter was deleted and failed at prefill with a 500
+    releases, trusted = published
+    m = LocalModel.open(releases, "v1", trusted)
+    gate, entered, prepare = threading.Event(), threading.Event(), m.prepare
+
+    def slow_prepare(*args: Any, **kwargs: Any) -> Any:
+        job = prepare(*args, **kwargs)  # prepared for the register while it is still loaded
+        entered.set()
+        gate.wait(HANG_GUARD_S)
+        return job
+
+    monkeypatch.setattr(m, "prepare", slow_prepare)
+    try:
+        with serve_app(create_app(m, adapter_updates=True)) as base:
+            out: dict[str, httpx.Response] = {}
+            thread = _post_in_thread(base, _chat(m, REGISTERS[0], max_tokens=5), out, "turn")
+            entered.wait(HANG_GUARD_S)
+            unload = httpx.post(
+                f"{base}/v1/unload_lora_adapter", json={"lora_name": REGISTERS[0]}, timeout=HANG_GUARD_S
+            )
+            assert unload.status_code == 200, unload.text
+            gate.set()
+            thread.join()
+            assert out["turn"].status_code == 404, out["turn"].text
+            assert out["turn"].json()["error"]["code"] == "model_not_found"
+            assert m.engine.alive and not m.engine.waiting
+    finally:
+        gate.set()
         m.close()
 
 

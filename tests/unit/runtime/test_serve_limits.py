@@ -55,6 +55,12 @@ class StandInEngine:
         ids = kw.get("prompt") or self.prompt_ids(messages)
         return Job(ids, register, knobs, [seed or 0] * kw.get("n", 1), [None], kw["sink"])
 
+    def room(self) -> int:  # it answers at once: always room
+        return 64
+
+    def retry_after_s(self) -> int:
+        return 1
+
     def submit(self, job: Job) -> Job:
         for i in range(job.n):
             job.sink(Done(i, "length", '{"line": "x"}', job.knobs.max_new_tokens, None))
