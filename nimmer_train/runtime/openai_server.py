@@ -60,10 +60,10 @@ def _error(status: int, message: str, code: str, param: str | None = None, **hea
 
 
 def _busy(retry_after_s: int, preparing: int) -> JSONResponse:
-    """429 before a request is even read: the ones already being prepared fill the engine's room."""
+    """429 before a request is prepared: the ones already being prepared fill the engine's room."""
     return _error(
         429,
-        f"the server is busy: {preparing} requests are being prepared and the queue is full; "
+        f"the server is busy: {preparing} rows are being prepared and the queue is full; "
         f"retry in {retry_after_s} s",
         "rate_limit_exceeded",
         **{"Retry-After": str(retry_after_s)},
@@ -114,7 +114,7 @@ def create_app(
         1, thread_name_prefix="nimmer-prep"
     )  # templates, grammars: off the decode thread
     created = int(time.time())
-    preparing = collections.Counter()  # requests read or being prepared, not yet in the engine
+    preparing = collections.Counter()  # rows of requests being prepared, not yet in the engine
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -179,11 +179,16 @@ def create_app(
         def sink(event: Any) -> None:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        if preparing["rows"] >= m.engine.room():  # the engine could not take them all: refuse
-            return _busy(m.engine.retry_after_s(), preparing["rows"])  # now, not after preparing
-        preparing["rows"] += 1
         try:
-            body = await read_json(request, limits)
+            body = await read_json(request, limits)  # (size-capped) before it counts: a slow
+        except RequestError as exc:  # upload holds no place in the engine's room
+            return JSONResponse(exc.body(), status_code=exc.status)
+        n = body.get("n", 1) if isinstance(body, dict) else 1
+        rows = n if isinstance(n, int) and 1 <= n <= m.engine.max_batch else 1  # (bad n: a 400 below)
+        if preparing["rows"] + rows > m.engine.room():  # the engine could not take them all:
+            return _busy(m.engine.retry_after_s(), preparing["rows"])  # refuse now, unprepared
+        preparing["rows"] += rows
+        try:
             req, job = await loop.run_in_executor(prep, _prepare, m, body, limits, schemas, sink)
         except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -192,7 +197,7 @@ def create_app(
         except NimmerError as exc:  # e.g. a register unloaded since the check
             return _error(404, str(exc), "model_not_found", "model")
         finally:
-            preparing["rows"] -= 1
+            preparing["rows"] -= rows
         try:
             m.engine.submit(job)
         except QueueFull as exc:

@@ -118,9 +118,10 @@ CLOSE_MARGIN = 2  # start closing this many tokens before the last moment (a str
 class RowGrammar:
     """One reply's grammar state for a batched decoder: every token that cannot continue a reply
     valid under ``schema`` in the training format is masked. With ``max_new_tokens``, once the
-    budget is down to what one more property would take (its key, an empty value and the close:
-    the reply could not start another and still close) it forces the shortest close (a closing
-    quote and brace, then the end-of-turn token) at the first token where one is valid. Built off
+    budget is down to what one more of the properties that may still follow would take (its key,
+    an empty value and the close: the reply could not start it and still close) it forces the
+    shortest close (a closing quote and brace, then the end-of-turn token) at the first token
+    where one is valid; in the last property only the close itself is kept back. Built off
     the decode thread (compiling is the costly part); :meth:`allowed` and :meth:`consume` are
     microseconds per token."""
 
@@ -133,13 +134,27 @@ class RowGrammar:
         self.max_new_tokens = max_new_tokens
         self.closers = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in CLOSERS]
         encode = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-        one_more = [encode(", " + render_reply({n: ""}, schema)[1:]) for n in schema.get("properties", {})]
-        self.close_from = 1 + CLOSE_MARGIN + max([*one_more, *map(len, self.closers)])  # + end-of-turn
+        names = list(schema.get("properties", {}))
+        self.keys = [f'"{n}":' for n in names]  # how each property starts in the reply's text
+        one_more = [encode(", " + render_reply({n: ""}, schema)[1:]) for n in names]
+        closing = 1 + CLOSE_MARGIN + max(map(len, self.closers))  # + the end-of-turn token
+        # close_from[i]: where to start closing while property i is being written
+        self.close_from = [
+            max([closing, *(1 + CLOSE_MARGIN + c for c in one_more[i + 1 :])]) for i in range(len(names))
+        ]
+        self.decode = tokenizer.decode
+        self.text, self.current = "", -1  # the reply so far; the property being written
         self.bitmask = allocate_token_bitmask(1, n_vocab)
         self.bits = torch.arange(32, dtype=torch.int32)
 
     def consume(self, token: int) -> None:
         self.matcher.consume_token(token)
+        if self.max_new_tokens:
+            self.text += self.decode([token])
+            tail = self.text[-(64 + max(map(len, self.keys), default=0)) :]  # (keys are never
+            for i in range(self.current + 1, len(self.keys)):  # inside a string: quotes there
+                if self.keys[i] in tail:  # are escaped)
+                    self.current = i
 
     def allowed(self, generated: int, width: int) -> torch.Tensor:
         """The tokens allowed after ``generated`` tokens, as a bool row of ``width``."""
@@ -157,7 +172,8 @@ class RowGrammar:
         """The first token of the shortest valid close (one that leaves the reply complete) when
         only ``left`` tokens remain, one of them for the end-of-turn token; None while there is
         room, or when no close is valid yet."""
-        if self.matcher.is_accepting() or left > self.close_from:
+        start = self.close_from[self.current] if self.current >= 0 else max(self.close_from, default=0)
+        if self.matcher.is_accepting() or left > start:
             return None
         for ids in sorted(self.closers, key=len):
             if len(ids) > left - 1 or self.matcher.validate_tokens(ids) < len(ids):

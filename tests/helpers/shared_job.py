@@ -41,14 +41,22 @@ class SharedJob:
             outcome: tuple[str, Any] = ("result", self.job(self.work))
         except BaseException:  # noqa: BLE001 - raised again in each test that reads it
             outcome = ("error", RuntimeError(f"the shared job {self.work.name} failed:\n{format_exc()}"))
+        try:
+            data = pickle.dumps(outcome)
+        except Exception:  # noqa: BLE001 - an outcome that cannot travel: its error, as text, does
+            why = f"the shared job {self.work.name}'s outcome does not pickle:\n{format_exc()}"
+            data = pickle.dumps(("error", RuntimeError(why)))
         partial = self.result.with_suffix(".partial")
-        partial.write_bytes(pickle.dumps(outcome))
+        partial.write_bytes(data)
         partial.replace(self.result)
 
     def outcome(self, timeout: float) -> Any:
         """The job's result (its error raised here), waiting up to ``timeout`` s for it."""
         deadline = time.monotonic() + timeout
         while not self.result.exists():
+            assert self.thread is None or self.thread.is_alive() or self.result.exists(), (
+                f"the shared job {self.work.name} ended in this worker without an outcome"
+            )
             assert time.monotonic() < deadline, (
                 f"the shared job {self.work.name!r} still runs after {timeout} s"
             )

@@ -91,3 +91,29 @@ def test_a_reply_that_starts_another_property_late_still_closes(tokenizer) -> No
                 break
         text = tokenizer.decode(ids[0].tolist(), skip_special_tokens=True)
         validate_reply(text, TURN_SCHEMA)  # raises on a reply left open
+
+
+def test_a_reply_with_nothing_left_to_follow_uses_its_whole_budget(tokenizer) -> None:  # noqa: ANN001
+    """Found in review: the close was kept back by what one more property costs even in the last
+    property (nothing can follow it), so a one-property reply at 24 tokens said one character."""
+    n_vocab = len(tokenizer)
+    talk = tokenizer(" ", add_special_tokens=False)["input_ids"][0]
+    schema = {
+        "type": "object",
+        "properties": {"utterance": {"type": "string", "minLength": 1}},
+        "required": ["utterance"],
+        "additionalProperties": False,
+    }
+    for budget in (24, 32, 48):
+        mask = SchemaMask(tokenizer, schema, n_vocab, 0, max_new_tokens=budget)
+        ids = torch.zeros((1, 0), dtype=torch.long)
+        for _ in range(budget):
+            scores = torch.zeros((1, n_vocab))
+            scores[0, talk] = 10.0
+            token = int(mask(ids, scores).argmax())
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            if token in end_of_turn_ids(tokenizer):
+                break
+        out = ids[0].tolist()
+        validate_reply(tokenizer.decode(out, skip_special_tokens=True), schema)
+        assert budget - 4 <= len(out) <= budget  # closed at the last moment, not early

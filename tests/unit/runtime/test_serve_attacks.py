@@ -265,6 +265,38 @@ def test_a_burst_beyond_the_engines_room_is_refused_before_it_is_prepared(
         m.close()
 
 
+def test_rows_not_requests_fill_the_room_before_preparation(
+    published: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # found in review: the bound counted requests while the room is in rows, so requests with
+    # n = 16 were all prepared (a grammar each) before submit refused most of them
+    releases, trusted = published
+    m = LocalModel.open(releases, "v1", trusted, settings=EngineSettings(max_batch=2, max_waiting=1))
+    gate, entered, prepare = threading.Event(), threading.Event(), m.prepare
+
+    def slow_prepare(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        gate.wait(HANG_GUARD_S)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(m, "prepare", slow_prepare)
+    try:
+        with serve_app(create_app(m)) as base:
+            out: dict[str, httpx.Response] = {}
+            first = _post_in_thread(base, _chat(m, n=2, max_tokens=5), out, "first")
+            entered.wait(HANG_GUARD_S)  # the first is being prepared: two of the room's three rows
+            second = _post_in_thread(base, _chat(m, n=2, max_tokens=5), out, "second")
+            _until(lambda: "second" in out, "the second refused while the first is prepared")
+            assert out["second"].status_code == 429 and "first" not in out
+            gate.set()
+            for t in (first, second):
+                t.join()
+            assert out["first"].status_code == 200, out["first"].text
+    finally:
+        gate.set()
+        m.close()
+
+
 def test_a_register_unloaded_while_a_request_is_prepared_is_a_404_not_a_500(
     published: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

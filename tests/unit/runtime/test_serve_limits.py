@@ -55,6 +55,8 @@ class StandInEngine:
         ids = kw.get("prompt") or self.prompt_ids(messages)
         return Job(ids, register, knobs, [seed or 0] * kw.get("n", 1), [None], kw["sink"])
 
+    max_batch = 16
+
     def room(self) -> int:  # it answers at once: always room
         return 64
 
