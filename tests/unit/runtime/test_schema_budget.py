@@ -49,23 +49,27 @@ def test_chars_per_token_measures_the_tokenizer(tokenizer) -> None:  # noqa: ANN
     assert chars_per_token(tokenizer, ["zq xj vk"]) < density
 
 
+def _talk(tokenizer, schema: dict, budget: int) -> list[int]:  # noqa: ANN001
+    """The reply under the mask of a model that would talk forever (its favourite token: " ")."""
+    n_vocab, talk = len(tokenizer), tokenizer(" ", add_special_tokens=False)["input_ids"][0]
+    mask = SchemaMask(tokenizer, schema, n_vocab, 0, max_new_tokens=budget)
+    ids = torch.zeros((1, 0), dtype=torch.long)
+    for _ in range(budget):
+        scores = torch.zeros((1, n_vocab))
+        scores[0, talk] = 10.0
+        token = int(mask(ids, scores).argmax())
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        if token in end_of_turn_ids(tokenizer):
+            break
+    return ids[0].tolist()
+
+
 def test_schema_mask_closes_a_reply_that_runs_out_of_tokens(tokenizer) -> None:  # noqa: ANN001
     """A model that would talk forever inside the utterance, with caps far above its budget: the
     mask forces the close in time, and the reply ends with the end-of-turn token."""
-    n_vocab = len(tokenizer)
-    talk = tokenizer(" ", add_special_tokens=False)["input_ids"][0]  # the model's favourite token
     schema = dict(TURN_SCHEMA)  # no caps at all
     for budget in (20, 23, 40):  # the forced {"utterance": " alone takes 14 tokens here
-        mask = SchemaMask(tokenizer, schema, n_vocab, 0, max_new_tokens=budget)
-        ids = torch.zeros((1, 0), dtype=torch.long)
-        for _ in range(budget):
-            scores = torch.zeros((1, n_vocab))
-            scores[0, talk] = 10.0
-            token = int(mask(ids, scores).argmax())
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-            if token in end_of_turn_ids(tokenizer):
-                break
-        out = ids[0].tolist()
+        out = _talk(tokenizer, schema, budget)
         assert out[-1] in end_of_turn_ids(tokenizer) and len(out) <= budget
         text = tokenizer.decode(out, skip_special_tokens=True)
         reply = validate_reply(text, TURN_SCHEMA)
@@ -96,8 +100,6 @@ def test_a_reply_that_starts_another_property_late_still_closes(tokenizer) -> No
 def test_a_reply_with_nothing_left_to_follow_uses_its_whole_budget(tokenizer) -> None:  # noqa: ANN001
     """Found in review: the close was kept back by what one more property costs even in the last
     property (nothing can follow it), so a one-property reply at 24 tokens said one character."""
-    n_vocab = len(tokenizer)
-    talk = tokenizer(" ", add_special_tokens=False)["input_ids"][0]
     schema = {
         "type": "object",
         "properties": {"utterance": {"type": "string", "minLength": 1}},
@@ -105,15 +107,6 @@ def test_a_reply_with_nothing_left_to_follow_uses_its_whole_budget(tokenizer) ->
         "additionalProperties": False,
     }
     for budget in (24, 32, 48):
-        mask = SchemaMask(tokenizer, schema, n_vocab, 0, max_new_tokens=budget)
-        ids = torch.zeros((1, 0), dtype=torch.long)
-        for _ in range(budget):
-            scores = torch.zeros((1, n_vocab))
-            scores[0, talk] = 10.0
-            token = int(mask(ids, scores).argmax())
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-            if token in end_of_turn_ids(tokenizer):
-                break
-        out = ids[0].tolist()
+        out = _talk(tokenizer, schema, budget)
         validate_reply(tokenizer.decode(out, skip_special_tokens=True), schema)
         assert budget - 4 <= len(out) <= budget  # closed at the last moment, not early

@@ -233,6 +233,23 @@ def test_clients_gone_while_queued_hold_no_place_in_the_bounded_queue(published:
         m.close()
 
 
+def _held_preparation(
+    m: LocalModel, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Event, threading.Event]:
+    """``m.prepare`` prepares, sets ``entered``, then holds its job until ``gate`` is set: the
+    request stays in preparation (counted, not yet in the engine) for as long as a test needs."""
+    gate, entered, prepare = threading.Event(), threading.Event(), m.prepare
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        job = prepare(*args, **kwargs)
+        entered.set()
+        gate.wait(HANG_GUARD_S)
+        return job
+
+    monkeypatch.setattr(m, "prepare", held)
+    return gate, entered
+
+
 def test_a_burst_beyond_the_engines_room_is_refused_before_it_is_prepared(
     published: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -240,13 +257,7 @@ def test_a_burst_beyond_the_engines_room_is_refused_before_it_is_prepared(
     # memory, and met the bounded queue's 429 only after its turn at preparation
     releases, trusted = published
     m = LocalModel.open(releases, "v1", trusted, settings=EngineSettings(max_batch=1, max_waiting=1))
-    gate, prepare = threading.Event(), m.prepare
-
-    def slow_prepare(*args: Any, **kwargs: Any) -> Any:  # preparation that takes its time
-        gate.wait(HANG_GUARD_S)
-        return prepare(*args, **kwargs)
-
-    monkeypatch.setattr(m, "prepare", slow_prepare)
+    gate, _ = _held_preparation(m, monkeypatch)
     try:
         with serve_app(create_app(m)) as base:
             out: dict[str, httpx.Response] = {}
@@ -272,14 +283,7 @@ def test_rows_not_requests_fill_the_room_before_preparation(
     # n = 16 were all prepared (a grammar each) before submit refused most of them
     releases, trusted = published
     m = LocalModel.open(releases, "v1", trusted, settings=EngineSettings(max_batch=2, max_waiting=1))
-    gate, entered, prepare = threading.Event(), threading.Event(), m.prepare
-
-    def slow_prepare(*args: Any, **kwargs: Any) -> Any:
-        entered.set()
-        gate.wait(HANG_GUARD_S)
-        return prepare(*args, **kwargs)
-
-    monkeypatch.setattr(m, "prepare", slow_prepare)
+    gate, entered = _held_preparation(m, monkeypatch)
     try:
         with serve_app(create_app(m)) as base:
             out: dict[str, httpx.Response] = {}
@@ -304,15 +308,7 @@ def test_a_register_unloaded_while_a_request_is_prepared_is_a_404_not_a_500(
     # register was queued after its adapter was deleted and failed at prefill with a 500
     releases, trusted = published
     m = LocalModel.open(releases, "v1", trusted)
-    gate, entered, prepare = threading.Event(), threading.Event(), m.prepare
-
-    def slow_prepare(*args: Any, **kwargs: Any) -> Any:
-        job = prepare(*args, **kwargs)  # prepared for the register while it is still loaded
-        entered.set()
-        gate.wait(HANG_GUARD_S)
-        return job
-
-    monkeypatch.setattr(m, "prepare", slow_prepare)
+    gate, entered = _held_preparation(m, monkeypatch)  # prepared while the register is loaded
     try:
         with serve_app(create_app(m, adapter_updates=True)) as base:
             out: dict[str, httpx.Response] = {}
