@@ -31,6 +31,8 @@ from nimmer_train.federation.stage import FederationPlan, run_federation
 from nimmer_train.federation.sweep import goal_met, run_sweep, table
 from tests.helpers.flower_deployment import tiny_release
 
+SEED = 3
+
 
 def settings_for(population: int, cohort: int, rounds: int) -> FederatedConfig:
     return FederatedConfig(
@@ -69,16 +71,20 @@ def run(smoke: bool = False) -> dict[str, object]:
             settings = dataclasses.replace(settings, secure_aggregation=False)
         plan = FederationPlan(base, adapter, "caste-preacher", "b" * 64, folder / "out", folder / "flower")
         flower: list[dict[str, Any]] = []
+        draws = np.random.default_rng(SEED)  # both paths sample the same cohorts (and smoke's is never empty)
         started = time.perf_counter()
-        run_federation(plan, settings, flower.append, SketchEmbedder())
+        run_federation(plan, settings, flower.append, SketchEmbedder(), {"rng": lambda: draws})
         flower_total = time.perf_counter() - started
         plain = dataclasses.replace(settings, secure_aggregation=False)
         pop = build_population(folder / "sim-devices", plain, SketchEmbedder())
         simulator = Simulator.load(base, adapter, pop, plain)
-        state = simulator.run(plain, folder / "sim", np.random.default_rng(0), evaluate_every=1)
+        state = simulator.run(plain, folder / "sim", np.random.default_rng(SEED), evaluate_every=1)
         contributions = sum(r["sampled"] for r in state.records)
         sim_compute = sum(r["seconds"] for r in state.records)
-        last = [r for r in flower if r.get("round", 0) > 0][-1]
+        sampled = [r for r in flower if r.get("round", 0) > 0 and r.get("bytes_per_client")]
+        if not sampled:
+            raise RuntimeError(f"no Flower round sampled a contributor (seed {SEED}); pick another SEED")
+        last = sampled[-1]
         sweep = (
             PrivacySweepConfig(
                 epsilons=[8.0, float("inf")], populations=[50], rounds=1, cohort=5, evaluate_every=0
