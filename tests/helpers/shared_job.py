@@ -29,9 +29,11 @@ class SharedJob:
     def start(self) -> None:
         """Run the job in a background thread unless another worker has claimed it."""
         try:
-            os.close(os.open(self.claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            fd = os.open(self.claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return
+        with os.fdopen(fd, "w") as claim:
+            claim.write(str(os.getpid()))  # waiters in other workers check that it still lives
         self.thread = threading.Thread(target=self._run, daemon=True, name=self.work.name)
         self.thread.start()
 
@@ -57,6 +59,9 @@ class SharedJob:
             assert self.thread is None or self.thread.is_alive() or self.result.exists(), (
                 f"the shared job {self.work.name} ended in this worker without an outcome"
             )
+            assert self._claimer_alive() or self.result.exists(), (
+                f"the worker running the shared job {self.work.name} died without an outcome"
+            )
             assert time.monotonic() < deadline, (
                 f"the shared job {self.work.name!r} still runs after {timeout} s"
             )
@@ -65,6 +70,22 @@ class SharedJob:
         if kind == "error":
             raise value
         return value
+
+    def _claimer_alive(self) -> bool:
+        """False once the process that claimed the job is gone (a worker killed mid-job)."""
+        try:
+            pid = int(self.claim.read_text() or "0")
+        except (OSError, ValueError):
+            return True  # not claimed yet, or the claim is being written
+        if not pid:
+            return True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
     def close(self, timeout: float) -> None:
         """At the end of this worker's session: let a job it runs finish (others may need it)."""
