@@ -257,9 +257,12 @@ class LocalModel:
                     f"register {register!r} is speaking in {len(busy)} rows and {len(queued)} "
                     "requests wait for it; unload it later"
                 )
-            self.model.delete_adapter(register)  # under the lock: a job prepared for it before
-            assert self.engine.lora is not None  # the unload is refused at submit (AdapterGone),
-            self.engine.lora.rebuild()  # never queued to fail at prefill
+            assert self.engine.lora is not None  # from here submit refuses a job prepared for it
+            self.engine.lora.names = [n for n in self.engine.lora.names if n != register]
+        try:  # outside the lock: a request arriving now is not held up by the restacking
+            self.model.delete_adapter(register)
+        finally:
+            self.engine.lora.rebuild()  # on this thread, before the next step
         self.engine.prefixes.clear()
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from nimmer_train.runtime.engine import Engine
 from nimmer_train.runtime.local_model import EngineSettings, LocalModel
 from nimmer_train.runtime.openai_server import create_app
 from nimmer_train.runtime.request_limits import RequestError
+from nimmer_train.voice.sampling import SamplingKnobs
 from tests.helpers.loopback import serve_app
 from tests.helpers.published import REGISTERS, publish_registers
 
@@ -323,6 +324,58 @@ def test_a_register_unloaded_while_a_request_is_prepared_is_a_404_not_a_500(
             assert out["turn"].status_code == 404, out["turn"].text
             assert out["turn"].json()["error"]["code"] == "model_not_found"
             assert m.engine.alive and not m.engine.waiting
+    finally:
+        gate.set()
+        m.close()
+
+
+def test_a_request_arriving_during_an_unload_is_not_held_up_by_the_restacking(
+    published: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the unload rebuilt the stacked LoRA while holding the engine's lock, so a request arriving
+    # meanwhile (its admission check, on the server's event loop) waited for the rebuild
+    from nimmer_train.runtime.stacked_lora import StackedLora
+
+    releases, trusted = published
+    m = LocalModel.open(releases, "v1", trusted)
+    gate, entered, rebuild = threading.Event(), threading.Event(), StackedLora.rebuild
+
+    def slow_rebuild(self: StackedLora) -> None:
+        entered.set()
+        gate.wait(3 * HANG_GUARD_S)  # longer than the arriving request's hang guard
+        rebuild(self)
+
+    try:
+        job = m.prepare(
+            MESSAGES,
+            REGISTERS[0],
+            SamplingKnobs(1.0, 1.0, 0, 1.0, 0.0, max_new_tokens=4),
+            None,
+            1,
+            sink=lambda e: None,
+        )
+        monkeypatch.setattr(StackedLora, "rebuild", slow_rebuild)
+        unload = threading.Thread(target=m.unload_register, args=(REGISTERS[0],))
+        unload.start()
+        entered.wait(HANG_GUARD_S)
+        answered: dict[str, Any] = {}
+
+        def arrive() -> None:
+            answered["room"] = m.engine.room()
+            try:
+                m.engine.submit(job)
+            except Exception as exc:  # noqa: BLE001 - the type is the assertion
+                answered["submit"] = exc
+
+        arriving = threading.Thread(target=arrive)
+        arriving.start()
+        arriving.join(HANG_GUARD_S)
+        answered_while_restacking = unload.is_alive() and not arriving.is_alive()
+        gate.set()
+        unload.join(HANG_GUARD_S)
+        assert answered_while_restacking, "the arriving request waited for the rebuild"
+        assert answered["room"] > 0 and type(answered["submit"]).__name__ == "AdapterGone"
+        assert REGISTERS[0] not in m.registers and REGISTERS[0] not in m.engine.lora.names
     finally:
         gate.set()
         m.close()
