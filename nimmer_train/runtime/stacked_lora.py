@@ -35,6 +35,7 @@ class StackedLora:
         self.names: list[str] = []
         self.slots = torch.zeros(0, dtype=torch.long)  # per row; len(names) = the bare weights
         self.single: int | None = None  # every row on one slot: a plain matmul, no gather
+        self.version = 0  # bumped when the rows' slots or the stacks change: gathers are redone
         self.layers = lora_linears(model)
         for layer in self.layers:
             layer.forward = types.MethodType(_stacked_forward, layer)
@@ -65,6 +66,7 @@ class StackedLora:
             layer.stacked_a = a.to(weight.device, weight.dtype)
             layer.stacked_b = b.to(weight.device, weight.dtype)
         self.names = names
+        self.version += 1
 
     def slot(self, adapter: str | None) -> int:
         if adapter is None or adapter == BASE:
@@ -76,8 +78,11 @@ class StackedLora:
     def select(self, adapters: list[str | None]) -> None:
         """The adapter of each row of the next forward passes (None: the bare weights)."""
         slots = [self.slot(a) for a in adapters]
+        if slots == self.slots.tolist():
+            return  # the same rows as the last step: each layer's gathered stacks still hold
         self.slots = torch.tensor(slots, dtype=torch.long)
         self.single = slots[0] if len(set(slots)) == 1 else None
+        self.version += 1
 
 
 def _stacked_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -89,7 +94,13 @@ def _stacked_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> t
             return result
         a, b = self.stacked_a[stacked.single], self.stacked_b[stacked.single]
         return result + (x.to(a.dtype) @ a.T) @ b.T
-    a, b = self.stacked_a[stacked.slots], self.stacked_b[stacked.slots]  # [B, r, in], [B, out, r]
+    if getattr(self, "gathered_version", None) != stacked.version:  # once per batch composition
+        self.gathered = (  # [B, in, r], [B, r, out]
+            self.stacked_a[stacked.slots].transpose(1, 2).contiguous(),
+            self.stacked_b[stacked.slots].transpose(1, 2).contiguous(),
+        )
+        self.gathered_version = stacked.version
+    a, b = self.gathered
     flat = x.to(a.dtype).reshape(x.shape[0], -1, x.shape[-1])
-    delta = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2))
+    delta = torch.bmm(torch.bmm(flat, a), b)
     return result + delta.reshape(result.shape).to(result.dtype)
