@@ -7,8 +7,12 @@ consolidation wall time and transcript indexing lag, measured in one process on 
   Every exchange is indexed as an episode crystal (all-MiniLM-L6-v2). Each question has known
   evidence turn ids; evidence recall@k (k = 1, 5, 10) is reported for hybrid search (vector +
   FTS5 BM25, RRF, recency) and vector-only, and for update questions the mean rank of the latest
-  and of the superseded evidence and the share where the latest ranks above. The questions are
-  phrased unlike the statements (no copy of the planted sentence).
+  and of the superseded evidence and the share where the latest ranks above; also the mean
+  evidence rank and recall@1 of direct and of paraphrased questions. ``generate(realistic=True)``
+  (the default) makes it harder: sessions 1 to 10 days apart, half the questions direct (a
+  shared content word) and half paraphrased (no copy of the planted sentence), updates that may
+  not repeat the old value, and other people's changes as distractors; ``realistic=False`` is
+  the first generator (a day between sessions, paraphrases only).
 - memory_search p50 / p95 at 10k and 100k crystals (random unit vectors and random-word texts;
   the query vector is given, so this is search + fusion + access update + log, not the
   embedding, which is timed apart). Goal: p95 <= 20 ms.
@@ -36,6 +40,7 @@ from nimmer_train.memory.consolidation import consolidate
 from nimmer_train.memory.crystals import CrystalSpec
 from nimmer_train.memory.embedding import SentenceEmbedder
 from nimmer_train.memory.ingestion import Exchange, TranscriptIndexer, index_exchanges
+from nimmer_train.memory.search import SearchWeights
 
 DAY = 86400.0
 START = 1_800_000_000.0
@@ -76,6 +81,13 @@ FILLER = [
 ]
 TOPICS = ["volcanoes", "the election", "deep sea fish", "old castles", "electric cars", "bees"]
 ADJECTIVES = ["grey", "sunny", "windy", "cold", "strange"]
+REALISTIC_FILLER = [  # other people's changes: the same topics as the user's updates
+    "My friend {name} moved from {city} to {city2} in the spring.",
+    "{name} had her bike painted {colour}, it looks great.",
+    "{name} just started a new job at the {place}.",
+    "My cousin {name} lives in {city} now and loves it.",
+    "What do you think makes a good {job}?",
+]
 REPLIES = [
     "That's interesting, tell me more.",
     "I see. How do you feel about that?",
@@ -90,34 +102,63 @@ class Question:
     text: str
     evidence: str  # the turn id that answers it
     superseded: str | None = None  # for updates: the older, now wrong, evidence
+    keyword: bool = False  # shares a content word with the evidence (the direct phrasing)
 
 
 @dataclass
 class Conversation:
     exchanges: list[tuple[str, str, str, float]] = field(default_factory=list)  # (turn id, user, reply, at)
     questions: list[Question] = field(default_factory=list)
+    end: float = START  # the clock when the questions are asked: a day after the last session
 
 
-def _facts(rng: random.Random) -> list[tuple[str, str]]:
-    """(statement, question) pairs planted once."""
+def _facts(rng: random.Random) -> list[tuple[str, str, str]]:
+    """(statement, paraphrased question, direct question) planted once; the paraphrase shares no
+    content word with the statement, the direct one does (as real users ask)."""
     pet, pet_name = rng.choice(PETS)
     return [
-        (f"By the way, my sister is called {rng.choice(NAMES)}.", "What is my sister's name?"),
-        (f"I work as a {rng.choice(JOBS)} these days.", "What do I do for a living?"),
-        (f"We adopted a {pet} named {pet_name} last spring.", "What is the name of our pet?"),
-        (f"My birthday is on the {rng.randint(2, 28)}th of {rng.choice(MONTHS)}.", "When is my birthday?"),
-        (f"I grew up in {rng.choice(CITIES)}, a long time ago.", "Where was I raised as a child?"),
+        (
+            f"By the way, my sister is called {rng.choice(NAMES)}.",
+            "What is my sister's name?",
+            "What is my sister called?",
+        ),
+        (f"I work as a {rng.choice(JOBS)} these days.", "What do I do for a living?", "What is my work?"),
+        (
+            f"We adopted a {pet} named {pet_name} last spring.",
+            "What is the name of our pet?",
+            f"What did we call the {pet} we adopted?",
+        ),
+        (
+            f"My birthday is on the {rng.randint(2, 28)}th of {rng.choice(MONTHS)}.",
+            "When is my birthday?",
+            "Which day should you congratulate me on getting older?",
+        ),
+        (
+            f"I grew up in {rng.choice(CITIES)}, a long time ago.",
+            "Where was I raised as a child?",
+            "Which town did I grow up in?",
+        ),
         (
             f"I really prefer {rng.choice(DRINKS)} to anything else in the morning.",
             "What do I like to drink?",
+            "What do I prefer in the morning?",
         ),
-        (f"Honestly my favourite dish is {rng.choice(FOODS)}.", "Which meal do I love most?"),
-        (f"On weekends I love {rng.choice(HOBBIES)} with friends.", "What is my weekend pastime?"),
+        (
+            f"Honestly my favourite dish is {rng.choice(FOODS)}.",
+            "Which meal do I love most?",
+            "What is my favourite dish?",
+        ),
+        (
+            f"On weekends I love {rng.choice(HOBBIES)} with friends.",
+            "What is my weekend pastime?",
+            "What do I do with friends on weekends?",
+        ),
     ]
 
 
-def _updates(rng: random.Random) -> list[tuple[str, str, str]]:
-    """(first statement, later update, question)."""
+def _updates(rng: random.Random) -> list[tuple[str, str, str, str, str]]:
+    """(first statement, later update that names the old value, later update that does not,
+    paraphrased question, direct question)."""
     city, city2 = rng.sample(CITIES, 2)
     place, place2 = rng.sample(PLACES, 2)
     colour, colour2 = rng.sample(COLOURS, 2)
@@ -125,48 +166,81 @@ def _updates(rng: random.Random) -> list[tuple[str, str, str]]:
         (
             f"I live in {city} at the moment.",
             f"Big news: we moved from {city} to {city2} last week.",
+            f"We finally settled into our new flat in {city2}.",
             "Which city is my home now?",
+            "Where do I live?",
         ),
         (
             f"I work at the {place}.",
             f"I quit my job at the {place}, I am at the {place2} now.",
+            f"First week at the {place2} went well, the new colleagues are kind.",
             "Where is my workplace these days?",
+            "Where do I work?",
         ),
         (
             f"My car is {colour}.",
             f"I had my car repainted {colour2}, it used to be {colour}.",
+            f"The garage finished the paint job, the car is {colour2} now.",
             "What colour is my car currently?",
+            "What colour is my car?",
         ),
     ]
 
 
-def generate(seed: int, sessions: int, per_session: int) -> Conversation:
+def generate(seed: int, sessions: int, per_session: int, realistic: bool = True) -> Conversation:
+    """A seeded conversation. ``realistic``: sessions 1 to 10 days apart (not one), half the
+    questions asked directly (sharing a content word with the evidence) and half paraphrased,
+    updates that may not repeat the old value, and other people's changes as distractors
+    ("My friend Ines moved from Oslo to Porto")."""
     rng = random.Random(seed)
     conv = Conversation()
     slots = [(s, t) for s in range(sessions) for t in range(per_session)]
     plants: dict[tuple[int, int], str] = {}
     half = sessions // 2
-    for statement, question in _facts(rng):
+    for statement, paraphrase, direct in _facts(rng):
         slot = rng.choice([x for x in slots if x not in plants])
         plants[slot] = statement
-        conv.questions.append(Question(question, f"s{slot[0]}-t{slot[1]}"))
-    for first, update, question in _updates(rng):
+        keyword = realistic and rng.random() < 0.5
+        conv.questions.append(
+            Question(direct if keyword else paraphrase, f"s{slot[0]}-t{slot[1]}", None, keyword)
+        )
+    for first, update, quiet_update, paraphrase, direct in _updates(rng):
         early = rng.choice([x for x in slots if x not in plants and x[0] < half])
         late = rng.choice([x for x in slots if x not in plants and x[0] >= half])
-        plants[early], plants[late] = first, update
-        conv.questions.append(Question(question, f"s{late[0]}-t{late[1]}", f"s{early[0]}-t{early[1]}"))
-    for s, t in slots:
-        said = plants.get((s, t)) or rng.choice(FILLER).format(
-            adj=rng.choice(ADJECTIVES),
-            topic=rng.choice(TOPICS),
-            name=rng.choice(NAMES),
-            city=rng.choice(CITIES),
-            job=rng.choice(JOBS),
-            pet=rng.choice(PETS)[0],
-            food=rng.choice(FOODS),
-            hobby=rng.choice(HOBBIES),
+        quiet = realistic and rng.random() < 0.5
+        plants[early], plants[late] = first, quiet_update if quiet else update
+        keyword = realistic and rng.random() < 0.5
+        conv.questions.append(
+            Question(
+                direct if keyword else paraphrase,
+                f"s{late[0]}-t{late[1]}",
+                f"s{early[0]}-t{early[1]}",
+                keyword,
+            )
         )
-        conv.exchanges.append((f"s{s}-t{t}", said, rng.choice(REPLIES), START + s * DAY + t * 60))
+    fillers = FILLER + (REALISTIC_FILLER if realistic else [])
+    day = [0.0]
+    for _ in range(sessions - 1):
+        day.append(day[-1] + (rng.randint(1, 10) if realistic else 1))
+    for s, t in slots:
+        said = plants.get((s, t))
+        if said is None:
+            template = rng.choice(fillers)  # drawn first, as the first generator did
+            fill = dict(
+                adj=rng.choice(ADJECTIVES),
+                topic=rng.choice(TOPICS),
+                name=rng.choice(NAMES),
+                city=rng.choice(CITIES),
+                job=rng.choice(JOBS),
+                pet=rng.choice(PETS)[0],
+                food=rng.choice(FOODS),
+                hobby=rng.choice(HOBBIES),
+            )
+            if realistic:
+                fill.update(city2=rng.choice(CITIES), colour=rng.choice(COLOURS), place=rng.choice(PLACES))
+            said = template.format(**fill)
+        conv.exchanges.append((f"s{s}-t{t}", said, rng.choice(REPLIES), START + day[s] * DAY + t * 60))
+    conv.end = START + (day[-1] + 1) * DAY
     return conv
 
 
@@ -177,47 +251,62 @@ def _rank(hits: list[dict], turn: str) -> int | None:
     return None
 
 
+def indexed(embedder: SentenceEmbedder, conv: Conversation, folder: Path) -> AgentMemory:
+    """An agent whose memory holds ``conv``'s exchanges as episode crystals, its clock at the end."""
+    agent = AgentMemory(folder, embedder, clock=lambda end=conv.end: end)
+    index_exchanges(
+        agent,
+        [
+            Exchange("conv", (turn,), (("user", said), ("assistant", reply)), at)
+            for turn, said, reply, at in conv.exchanges
+        ],
+    )
+    return agent
+
+
 def quality(
-    embedder: SentenceEmbedder, seeds: list[int], sessions: int, per_session: int
+    embedder: SentenceEmbedder,
+    seeds: list[int],
+    sessions: int,
+    per_session: int,
+    realistic: bool = True,
+    weights: SearchWeights | None = None,
 ) -> dict[str, float]:
-    found = {"hybrid": {1: 0, 5: 0, 10: 0}, "vector": {1: 0, 5: 0, 10: 0}}
-    latest_ranks: dict[str, list[int]] = {"hybrid": [], "vector": []}
-    old_ranks: dict[str, list[int]] = {"hybrid": [], "vector": []}
-    latest_first = {"hybrid": 0, "vector": 0}
-    questions = updates = 0
+    """Evidence recall@k, mean evidence rank (51 when not in the top 50), recall@1 of direct and
+    of paraphrased questions, and for updates the ranks of the latest and superseded evidence."""
+    modes = {"hybrid": True, "vector": False}
+    ranks: dict[str, list[int]] = {name: [] for name in modes}
+    direct: dict[str, list[int]] = {name: [] for name in modes}
+    latest: dict[str, list[int]] = {name: [] for name in modes}
+    old: dict[str, list[int]] = {name: [] for name in modes}
     for seed in seeds:
-        conv = generate(seed, sessions, per_session)
+        conv = generate(seed, sessions, per_session, realistic)
         with tempfile.TemporaryDirectory() as tmp:
-            end = START + sessions * DAY
-            agent = AgentMemory(Path(tmp), embedder, clock=lambda end=end: end)
-            index_exchanges(
-                agent,
-                [
-                    Exchange("conv", (turn,), (("user", said), ("assistant", reply)), at)
-                    for turn, said, reply, at in conv.exchanges
-                ],
-            )
+            agent = indexed(embedder, conv, Path(tmp))
+            agent.weights = weights or agent.weights
             for q in conv.questions:
-                questions += 1
-                updates += q.superseded is not None
-                for name, use_text in (("hybrid", True), ("vector", False)):
+                for name, use_text in modes.items():
                     hits = agent.memory_search(q.text, 50, -1.0, use_text=use_text, record_access=False)
-                    rank = _rank(hits, q.evidence)
-                    for k in found[name]:
-                        found[name][k] += rank is not None and rank <= k
+                    rank = _rank(hits, q.evidence) or 51
+                    ranks[name].append(rank)
+                    direct[name].append(int(q.keyword))
                     if q.superseded is not None:
-                        old = _rank(hits, q.superseded)
-                        latest_ranks[name].append(rank or 51)
-                        old_ranks[name].append(old or 51)
-                        latest_first[name] += (rank or 51) < (old or 51)
+                        latest[name].append(rank)
+                        old[name].append(_rank(hits, q.superseded) or 51)
             agent.close()
-    out: dict[str, float] = {"questions": questions, "update_questions": updates}
-    for name in ("hybrid", "vector"):
-        for k, n in found[name].items():
-            out[f"{name}_recall_at_{k}"] = n / questions
-        out[f"{name}_update_latest_mean_rank"] = float(np.mean(latest_ranks[name]))
-        out[f"{name}_update_superseded_mean_rank"] = float(np.mean(old_ranks[name]))
-        out[f"{name}_update_latest_first_share"] = latest_first[name] / max(1, updates)
+    out: dict[str, float] = {"questions": len(ranks["hybrid"]), "update_questions": len(latest["hybrid"])}
+    for name in modes:
+        r, d = np.array(ranks[name]), np.array(direct[name], dtype=bool)
+        for k in (1, 5, 10):
+            out[f"{name}_recall_at_{k}"] = float(np.mean(r <= k))
+        out[f"{name}_mean_rank"] = float(np.mean(r))
+        if d.any() and (~d).any():
+            out[f"{name}_direct_recall_at_1"] = float(np.mean(r[d] <= 1))
+            out[f"{name}_paraphrase_recall_at_1"] = float(np.mean(r[~d] <= 1))
+        new, before = np.array(latest[name]), np.array(old[name])
+        out[f"{name}_update_latest_mean_rank"] = float(np.mean(new))
+        out[f"{name}_update_superseded_mean_rank"] = float(np.mean(before))
+        out[f"{name}_update_latest_first_share"] = float(np.mean(new < before))
     return out
 
 

@@ -263,15 +263,16 @@ class AgentMemory:
                 by_text = (
                     keyword_ranked(db, index, query, n_text, mask, w.text_min_idf_share) if use_text else []
                 )
-                fused = fuse([i for i, _ in by_vector], by_text, w)
-                keyword_hits = set(by_text)
+                fused = fuse(by_vector, by_text, w)
+                keyword_hits = {i for i, _ in by_text}
                 sims = dict(by_vector)
-                sims.update(index.similarity(q, [i for i in by_text if i not in sims]))
+                sims.update(index.similarity(q, [i for i in keyword_hits if i not in sims]))
                 rows = (
                     {
                         r[0]: r[1:]
                         for r in db.execute(
-                            f"SELECT entry_id, valid_from, importance FROM crystals WHERE entry_id IN "
+                            f"SELECT entry_id, valid_from, importance, valid_to IS NOT NULL FROM crystals "
+                            f"WHERE entry_id IN "
                             f"({', '.join('?' * len(fused))})",
                             list(fused),
                         )
@@ -285,8 +286,8 @@ class AgentMemory:
                 for entry_id, value in fused.items():
                     if entry_id in stale:
                         continue
-                    valid_from, imp = rows[entry_id]
-                    score = weighted(value, recency(valid_from, now, w.recency_half_life_h), imp, w)
+                    valid_from, imp, closed = rows[entry_id]
+                    score = weighted(value, recency(valid_from, now, w.recency_half_life_h), imp, w, closed)
                     if sims.get(entry_id, 0.0) >= min_score or entry_id in keyword_hits:
                         hits.append((score, sims.get(entry_id, 0.0), store, entry_id))
             hits.sort(key=lambda h: (-h[0], h[2], h[3]))

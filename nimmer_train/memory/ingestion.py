@@ -290,11 +290,15 @@ class Exchange:
     messages: tuple[tuple[str, str], ...]
     at: float
     mode: Mode = Mode.REALWORLD
+    data_category: str | None = (
+        None  # the consent category (the runtime's turns: casual_dialog); None: the agent's
+    )
     enqueued: float = field(default_factory=time.monotonic)
 
 
 def exchange_spec(exchange: Exchange) -> CrystalSpec:
     text = "\n".join(f"{speaker}: {said}" for speaker, said in exchange.messages)
+    category = {} if exchange.data_category is None else {"data_category": exchange.data_category}
     return CrystalSpec(
         text,
         "transcript",
@@ -303,6 +307,7 @@ def exchange_spec(exchange: Exchange) -> CrystalSpec:
         turn_ids=exchange.turn_ids,
         speaker=exchange.messages[0][0],
         valid_from=exchange.at,
+        entry_fields=category,  # in the in-between the store makes it clasp, whatever is asked
     )
 
 

@@ -1,11 +1,14 @@
 """One NPC turn: select the register, set the knobs, assemble the prompt, generate through the
-tier's ring, validate the reply against the turn's schema, write it back to the player's memory."""
+tier's ring, validate the reply against the turn's schema, write it back to the player's memory
+and hand the exchange to the agent's transcript indexer (issue 16), which indexes it as an
+episode crystal on its own thread: the turn pays a queue put, not an embedding."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,8 +81,13 @@ class NpcRuntime:
         budgets: dict[str, int] | None = None,  # knowledge-stack tokens per layer
         registers: list[str] | None = None,  # registers that can speak; null: the catalogue
         max_new_tokens: int | None = None,  # null: the knobs' default
+        transcripts: Any = None,  # a memory.ingestion.TranscriptIndexer; None: exchanges not indexed
+        session_id: str | None = None,  # the transcripts' session id; null: a fresh one
     ) -> None:
         self.max_new_tokens = max_new_tokens
+        self.transcripts = transcripts
+        self.session_id = session_id or f"session-{uuid.uuid4().hex[:12]}"
+        self.turns_spoken: dict[str, int] = {}
         self.catalogue, self.rings, self.memory = catalogue, rings, memory
         self.selection = selection or SelectionConfig()
         self.budgets = budgets or {"world": 60, "district": 60, "primary": 120, "clasp": 60}
@@ -135,6 +143,8 @@ class NpcRuntime:
             self.memory.write(
                 attempts.reply["utterance"], f"npc:{req.npc}", "working", "casual_dialog", mode=mode
             )
+        if self.transcripts is not None:
+            self._transcribe(req, attempts.reply, mode)
         end = time.perf_counter()
         timings = {
             "select": t["select"] - t["start"],
@@ -145,6 +155,26 @@ class NpcRuntime:
             "write_back": end - w0,
         }
         return _turn(req.npc, name, knobs, attempts, end - t["start"], timings, withheld)
+
+    def _transcribe(self, req: TurnRequest, reply: dict[str, Any], mode: Any) -> None:
+        """Queue the exchange for the indexer (it returns at once). An in-between exchange goes
+        with its mode, so the indexer writes it to the clasp store only; its category is the
+        write-back's (casual_dialog), so consent's exclusions apply to it as to the line."""
+        from nimmer_train.memory.ingestion import Exchange
+
+        n = self.turns_spoken.get(req.npc, 0) + 1
+        self.turns_spoken[req.npc] = n
+        said = str(reply.get("utterance", "")) or json.dumps(reply, ensure_ascii=False)
+        self.transcripts.submit(
+            Exchange(
+                f"{self.session_id}:{req.npc}",
+                (f"{req.npc}-t{n}",),
+                (("player", req.player_utterance), (f"npc:{req.npc}", said)),
+                self.transcripts.agent.clock(),
+                mode,
+                "casual_dialog",
+            )
+        )
 
     def _ring(self, tier: str) -> Ring:
         if tier not in self.rings:

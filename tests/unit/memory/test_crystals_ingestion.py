@@ -1,11 +1,16 @@
 """Ingestion: Markdown chunks with line ranges, re-embedding only what changed, deleted and bad
-files, edits during ingestion, the watchfiles watcher, skills, and background transcripts."""
+files, edits during ingestion, the watchfiles watcher, skills, and background transcripts (also
+fed by the runtime's turns)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 from nimmer_train.memory.crystals import CrystalSpec
 from nimmer_train.memory.ingestion import (
@@ -17,7 +22,12 @@ from nimmer_train.memory.ingestion import (
     ingest_workspace,
 )
 from nimmer_train.memory.player_memory import Mode
-from tests.helpers.memory import Clock, CountingEmbedder, agent_memory
+from nimmer_train.memory.sync import open_player
+from nimmer_train.runtime.rings import RingReply
+from nimmer_train.runtime.turn import NpcRuntime, TurnRequest
+from nimmer_train.voice.prompt_dsl import render_compact
+from nimmer_train.voice.registers import load_catalogue
+from tests.helpers.memory import Clock, CountingEmbedder, HashEmbedder, agent_memory
 
 MEMORY_MD = """# People
 
@@ -202,3 +212,72 @@ def test_transcripts_are_indexed_in_the_background(tmp_path: Path) -> None:
     indexer.close()
     agent.add([CrystalSpec("after close", "note")])
     agent.close()
+
+
+class _GatedEmbedder(HashEmbedder):
+    """Embeds only once ``gate`` is set: shows a turn does not wait for its indexing."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        assert self.gate.wait(timeout=30)
+        return super().embed(texts)
+
+
+class _ScriptedRing:
+    name, constrained, context_tokens = "test", False, None
+
+    def __init__(self, lines: list[str]) -> None:
+        self.texts = [json.dumps({"utterance": line}) for line in lines]
+
+    @staticmethod
+    def count(text: str) -> int:
+        return len(text.split())
+
+    def render(self, prompt, register):  # noqa: ANN001, ANN201
+        return render_compact(prompt)
+
+    def speak(self, prompt, register, name, knobs) -> RingReply:  # noqa: ANN001
+        return RingReply(self.texts.pop(0), "test")
+
+
+def test_runtime_turns_feed_the_transcript_indexer(tmp_path: Path) -> None:
+    """A turn through NpcRuntime queues its exchange (player line + NPC reply) and returns; the
+    indexer makes it a searchable episode crystal. An in-between exchange lands in the clasp
+    store only, never in primary."""
+    catalogue = load_catalogue()
+    embedder = _GatedEmbedder()
+    agent = agent_memory(tmp_path / "agent", embedder=embedder)
+    indexer = TranscriptIndexer(agent)
+    player, _ = open_player(tmp_path / "player", HashEmbedder())
+    ring = _ScriptedRing(["The cistern under the tannery still holds water.", "I left the gate open."])
+    runtime = NpcRuntime(catalogue, {"casual": ring}, memory=player, transcripts=indexer, session_id="s1")
+    request = TurnRequest(
+        npc="oran",
+        gesture=catalogue.get("drunk-scavenger").traits,
+        player_utterance="Where did the water go?",
+        turn_intent="answer the player",
+        zone_context="the scrap fields at dusk",
+    )
+    runtime.speak(request)
+    runtime.speak(request, mode=Mode.IN_BETWEEN)
+    primary = agent.db("primary")
+    assert primary.execute("SELECT count(*) FROM entries").fetchone()[0] == 0  # not indexed yet: queued
+    embedder.gate.set()
+    indexer.flush()
+
+    hit = agent.memory_search("cistern under the tannery", min_score=-1, record_access=False)[0]
+    assert hit["text"] == (
+        "player: Where did the water go?\nnpc:oran: The cistern under the tannery still holds water."
+    )
+    assert (hit["session_id"], hit["turn_ids"], hit["semantic_type"]) == ("s1:oran", ["oran-t1"], "episode")
+    assert hit["store"] == "primary" and hit["data_category"] == "casual_dialog"  # consent's category
+    texts = [t for (t,) in primary.execute("SELECT text FROM entries")]
+    assert len(texts) == 1 and not any("gate open" in t for t in texts)
+    clasp = agent.memory_search("left the gate open", min_score=-1, mode=Mode.IN_BETWEEN, record_access=False)
+    assert clasp[0]["store"] == "clasp" and clasp[0]["turn_ids"] == ["oran-t2"]
+    assert clasp[0]["data_category"] == "clasp"
+    indexer.close()
+    agent.close()
+    player.close()

@@ -1,4 +1,5 @@
-"""memory_search (hybrid vector + FTS5 BM25, RRF, recency/importance, the search log), memory_get
+"""memory_search (hybrid vector + FTS5 BM25, weighted RRF, recency/importance as tie-breakers,
+supersession, the search log), memory_get
 and working_memory_note (scratch.md, immediate search, directive supersession)."""
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ import pytest
 
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.agent_memory import AgentMemory
-from nimmer_train.memory.crystals import CrystalSpec
+from nimmer_train.memory.crystals import CrystalSpec, supersede
 from nimmer_train.memory.db import connect
 from nimmer_train.memory.embedding import SentenceEmbedder
 from nimmer_train.memory.player_memory import PRIMARY_FILE, Mode
-from nimmer_train.memory.search import fts_query, fuse
+from nimmer_train.memory.search import SUPERSEDED, SearchWeights, fts_query, fuse, weighted
 from tests.helpers.memory import Clock, agent_memory
 
 DISTRACTORS = [
@@ -110,13 +111,88 @@ def test_recency_ranks_the_newer_of_two_equal_facts_first(tmp_path: Path) -> Non
 
 
 def test_fusion_and_keyword_query_helpers() -> None:
-    from nimmer_train.memory.search import SearchWeights
-
-    fused = fuse([1, 2, 3], [3, 4], SearchWeights())
+    w = SearchWeights()
+    fused = fuse([(1, 0.9), (2, 0.8), (3, 0.7)], [(3, 1.0), (4, 1.0)], w)
     assert max(fused.values()) == fused[3] and fused[1] > fused[2]
-    assert fuse([7], [7], SearchWeights())[7] == pytest.approx(1.0)
+    assert fuse([(7, 0.5)], [(7, 1.0)], w)[7] == pytest.approx(1.0)
+    weak = fuse([(1, 0.9), (2, 0.8)], [(2, 0.05)], w)  # a keyword hit on a common word barely counts
+    assert weak[1] > weak[2]
+    tied = fuse([(1, 0.8), (2, 0.8), (3, 0.7)], [], w)  # the same cosine, the same rank
+    assert tied[1] == tied[2] > tied[3]
+    # recency, importance and supersession are tie-breakers worth about a place, not a vote
+    first, second = fuse([(1, 0.9), (2, 0.8)], [], w).values()
+    assert weighted(second, 1.0, 0.5, w) < weighted(first, 0.0, 0.5, w)
+    assert weighted(second, 0.0, 0.5, w) < weighted(second, 1.0, 0.5, w)
+    assert weighted(first, 0.0, 0.5, w, superseded=True) < weighted(second, 0.0, 0.5, w)
     assert fts_query('who is "Marta" AND NOT the; DROP') == '"marta" OR "not" OR "drop"'
     assert fts_query("what is the") is None
+
+
+def _exchange(said: str, at: float) -> CrystalSpec:
+    return CrystalSpec(f"user: {said}\nassistant: Noted! Anything else?", "transcript", valid_from=at)
+
+
+SMALL_TALK = [
+    "My friend Ines told me her brother is moving to Porto.",
+    "Mara and her sister went to the market today.",
+    "I watched a documentary about volcanoes yesterday.",
+    "Do you think it will rain on the weekend?",
+    "My neighbour's kids are loud, they are three siblings.",
+    "Traffic in Oslo was terrible this morning.",
+]
+
+
+def test_fresh_small_talk_does_not_bury_an_older_answer(tmp_path: Path, minilm) -> None:
+    """Recency breaks ties; it does not lift the last session's chatter over a clear answer
+    from a month ago (the old fusion's +15 % recency factor did, at 1.6 % per RRF place)."""
+    clock = Clock()
+    agent = AgentMemory(tmp_path, minilm, clock=clock)
+    agent.add([_exchange("By the way, my sister is called Greta.", clock.now - 30 * 86400)])
+    agent.add([_exchange(t, clock.now - 3600) for t in SMALL_TALK])
+    for use_text in (True, False):
+        hits = agent.memory_search("What is my sister's name?", 3, -1, use_text=use_text, record_access=False)
+        assert "Greta" in hits[0]["text"]
+    agent.close()
+
+
+def test_an_update_ranks_above_the_statement_it_replaces(tmp_path: Path, minilm) -> None:
+    clock = Clock()
+    agent = AgentMemory(tmp_path, minilm, clock=clock)
+    agent.add([_exchange("My car is white.", clock.now - 40 * 86400)])
+    agent.add([_exchange(t, clock.now - 30 * 86400) for t in SMALL_TALK])
+    agent.add([_exchange("I had my car repainted blue, it used to be white.", clock.now - 20 * 86400)])
+    for query in ("What colour is my car currently?", "What colour is my car?"):
+        top = agent.memory_search(query, 3, -1, record_access=False)
+        assert "repainted blue" in top[0]["text"] and "My car is white" in top[1]["text"]
+    agent.close()
+
+
+def test_a_superseded_fact_ranks_below_its_successor_when_included(tmp_path: Path) -> None:
+    """Asked for history, the search still puts the fact in force first at equal relevance."""
+    clock = Clock()
+    agent = agent_memory(tmp_path, clock)
+    old, new = agent.add(
+        [
+            CrystalSpec("the ferry leaves from pier four", "note", valid_from=clock.now - 20 * 86400),
+            CrystalSpec("the ferry leaves from pier nine", "note", valid_from=clock.now - 20 * 86400),
+        ]
+    )
+    with agent.db("primary") as db:
+        supersede(db, old, new, clock.now - 10 * 86400)
+    agent.index("primary").set_state(old, SUPERSEDED)
+    hits = agent.memory_search("ferry pier", min_score=-1, include_superseded=True, record_access=False)
+    assert [h["text"] for h in hits] == ["the ferry leaves from pier nine", "the ferry leaves from pier four"]
+    agent.close()
+
+
+def test_an_exact_keyword_hit_in_an_older_session_still_surfaces(tmp_path: Path, minilm) -> None:
+    clock = Clock()
+    agent = AgentMemory(tmp_path, minilm, clock=clock)
+    agent.add([_exchange("The boatman who took us across was Quillon Varga.", clock.now - 60 * 86400)])
+    agent.add([_exchange(t, clock.now - 3600) for t in [*SMALL_TALK, *DISTRACTORS]])
+    hits = agent.memory_search("Did Varga ever mention the harbour?", 3, 0.5, record_access=False)
+    assert any("Varga" in h["text"] for h in hits)
+    agent.close()
 
 
 def test_memory_get_returns_exact_lines_and_names_bad_arguments(tmp_path: Path) -> None:
