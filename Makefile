@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# make demo EXPERIMENT=real_small: the pipeline on SmolLM2-135M (issue 15)
+EXPERIMENT ?= demo
+
 demo: install
-	$(BIN)/python -m pipelines.run_all experiment=demo
+	$(BIN)/python -m pipelines.run_all experiment=$(EXPERIMENT)
 	$(BIN)/python -m nimmer_train.review.notebooks render --workdir .
 
 test: install lint  # one pytest-xdist worker per core; the slow shared jobs run once, in the background

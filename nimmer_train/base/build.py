@@ -6,6 +6,10 @@ as N processes under ``torchrun`` or ``accelerate launch``. Rank 0 logs metrics 
 launcher's MLflow run, so a distributed build is still one run. The finished model folder
 (safetensors, tokenizer, config) is published atomically with a manifest of sha256 sums.
 
+A pretrained starting point (``model.name_or_path``, or ``model.gguf_package``: converted once by
+:mod:`nimmer_train.base.from_gguf`) continues pretraining on the corpus, every weight or a LoRA
+(``model.continued_lora_rank``) merged into the published weights; the manifest names its origin.
+
 Worker entry: ``python -m nimmer_train.base.build WORK_DIR``.
 """
 
@@ -32,15 +36,18 @@ from accelerate.utils import set_seed
 from datasets import load_from_disk
 
 from nimmer_train.artifacts import (
+    README,
     atomic_dir,
     fingerprint,
     git_commit,
     intact_manifest,
+    read_manifest,
     source_fingerprint,
     write_json_atomic,
     write_manifest,
 )
-from nimmer_train.base.modeling import build_model, count_parameters
+from nimmer_train.base.from_gguf import pretrained_folder
+from nimmer_train.base.modeling import build_model, count_parameters, merged, with_lora
 from nimmer_train.base.pretrain import batch_indices, pack_blocks, train
 from nimmer_train.base.tokenizer import load_pretrained, train_bpe
 from nimmer_train.config import Config, TrainConfig, load_config, save_config
@@ -90,9 +97,9 @@ def plan(cfg: Config, corpus: IngestResult, synthetic: SyntheticInput | None = N
     """Where the base for this config and these corpora lives; ``synthetic`` is required when
     ``train.synthetic_share`` > 0 (the base is built from both corpora) and ignored otherwise."""
     train_cfg = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _NOT_SEMANTIC}
-    from nimmer_train.base import modeling, pretrain, tokenizer
+    from nimmer_train.base import from_gguf, modeling, pretrain, tokenizer
 
-    code = source_fingerprint(modeling, pretrain, tokenizer, sys.modules[__name__])
+    code = source_fingerprint(from_gguf, modeling, pretrain, tokenizer, sys.modules[__name__])
     datasets = {"literary": corpus.fingerprint}
     if cfg.train.synthetic_share > 0:
         if synthetic is None:
@@ -128,6 +135,10 @@ def build_base(
     if existing:
         log.info("base %s is up to date; nothing to do", p.out)
         return BaseResult(p.out, p.fingerprint, existing["lineage"]["metrics"], reused=True)
+    origin = _origin(cfg)
+    if cfg.model.gguf_package:  # the workers load the converted folder
+        folder = Path(origin["pretrained_dir"])
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=str(folder)))
     p.work.mkdir(parents=True, exist_ok=True)
     save_config(cfg, p.work / "config.yaml")
     write_json_atomic(
@@ -168,9 +179,53 @@ def build_base(
             "train": dataclasses.asdict(cfg.train),
             "metrics": result,
         }
+        if origin:
+            lineage["origin"] = origin
+            (staging / README).write_text(_card(cfg, origin, result))
         write_manifest(staging, "base", p.fingerprint, lineage)
     shutil.rmtree(p.work, ignore_errors=True)
     return BaseResult(p.out, p.fingerprint, result, reused=False)
+
+
+def _origin(cfg: Config) -> dict[str, Any]:
+    """The checkpoint a pretrained base starts from (converting a GGUF once); {} for a new model."""
+    if cfg.model.gguf_package:
+        folder = pretrained_folder(cfg.model, cfg.paths.artifacts_dir())
+        converted = read_manifest(folder)
+        return {
+            "checkpoint": cfg.model.origin,
+            "license": cfg.model.license,
+            "gguf": converted["lineage"]["gguf"],
+            "pretrained_dir": str(folder),
+            "pretrained_fingerprint": converted["fingerprint"],
+        }
+    if cfg.model.name_or_path:
+        return {
+            "checkpoint": cfg.model.origin or cfg.model.name_or_path,
+            "license": cfg.model.license,
+            "pretrained_dir": cfg.model.name_or_path,
+        }
+    return {}
+
+
+def _card(cfg: Config, origin: dict[str, Any], result: dict[str, Any]) -> str:
+    """The base's model card: where its weights come from and what continued pretraining did."""
+    how = (
+        f"a LoRA of rank {cfg.model.continued_lora_rank} on {', '.join(cfg.model.lora_target_modules)}, "
+        "merged into the weights"
+        if cfg.model.continued_lora_rank
+        else "every weight trained"
+    )
+    gguf = origin.get("gguf")
+    source = f" (from `{gguf['file']}` in `{gguf['package']}`, sha256 `{gguf['sha256']}`)" if gguf else ""
+    return (
+        f"# {cfg.model.name} base: {origin['checkpoint']}, continued on {cfg.corpus.name}\n\n"
+        f"- Origin: {origin['checkpoint']}{source}; licence: {origin['license'] or 'not stated'}\n"
+        f"- Continued pretraining: {result['steps']} steps, {result['tokens']:,} tokens in blocks of "
+        f"{cfg.train.seq_len}, {how}\n"
+        f"- Validation perplexity ({cfg.corpus.name} validation split): {result['initial_val_ppl']:.2f} "
+        f"pretrained -> {result['final_val_ppl']:.2f} after\n"
+    )
 
 
 def _corpus_refs(
@@ -258,6 +313,8 @@ def worker(work: Path) -> None:
     model = build_model(
         cfg.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.train.seed
     )
+    if cfg.model.continued_lora_rank:
+        model = with_lora(model, cfg.model)
     logger = metric_logger(inputs["run_id"] if accelerator.is_main_process else None, inputs["tracking_uri"])
     progress = Progress("build_base", cfg.train.max_steps) if accelerator.is_main_process else None
     try:
@@ -275,11 +332,14 @@ def worker(work: Path) -> None:
         if progress:
             progress.close()
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
+    lora = bool(cfg.model.continued_lora_rank)
+    state_dict = None if lora else accelerator.get_state_dict(model)  # a LoRA merges on rank 0 (DDP)
     if accelerator.is_main_process:
         out = work / "model"
         shutil.rmtree(out, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(out, state_dict=state_dict)
+        trainable = count_parameters(accelerator.unwrap_model(model), trainable=True)
+        published = merged(accelerator.unwrap_model(model))
+        published.save_pretrained(out, state_dict=state_dict)
         tokenizer.save_pretrained(out)
         evals = [h for h in state.history if "val_loss" in h]
         trains = [h for h in state.history if "train_loss" in h]
@@ -289,7 +349,8 @@ def worker(work: Path) -> None:
             {
                 "steps": state.step,
                 "tokens": state.tokens,
-                "parameters": count_parameters(accelerator.unwrap_model(model)),
+                "parameters": count_parameters(published),
+                "trainable_parameters": trainable,
                 "initial_val_loss": evals[0]["val_loss"] if evals else math.nan,
                 "initial_val_ppl": evals[0]["val_ppl"] if evals else math.nan,
                 "final_val_loss": evals[-1]["val_loss"] if evals else math.nan,

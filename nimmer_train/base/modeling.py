@@ -1,5 +1,5 @@
 """The base causal LM: a Llama built from config, or a pretrained checkpoint loaded for
-continued pretraining."""
+continued pretraining (every weight, or a LoRA merged back in: :func:`with_lora`, :func:`merged`)."""
 
 from __future__ import annotations
 
@@ -48,5 +48,27 @@ def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, see
     return model
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def with_lora(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn.Module:
+    """``model`` wrapped in a trainable LoRA of rank ``cfg.continued_lora_rank`` on
+    ``cfg.lora_target_modules`` (everything else frozen): continued pretraining that fits a CPU."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=int(cfg.continued_lora_rank or 0),
+        lora_alpha=cfg.continued_lora_alpha,
+        lora_dropout=0.0,
+        target_modules=list(cfg.lora_target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def merged(model: torch.nn.Module) -> PreTrainedModel:
+    """The plain model to publish: a LoRA (from :func:`with_lora`) merged into its weights."""
+    from peft import PeftModel
+
+    return model.merge_and_unload() if isinstance(model, PeftModel) else model  # type: ignore[return-value]
+
+
+def count_parameters(model: torch.nn.Module, trainable: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)

@@ -37,9 +37,14 @@ def build_base_stage(
         if math.isfinite(m.get("final_val_ppl_synthetic", math.nan))
         else ""
     )
+    before, after = (
+        ("pretrained", "continued")
+        if cfg.model.name_or_path or cfg.model.gguf_file
+        else ("untrained", "trained")
+    )
     print(
         f"base: {result.path} ({'reused' if result.reused else 'built'}); validation perplexity "
-        f"{m['initial_val_ppl']:.1f} untrained -> {m['final_val_ppl']:.1f} trained{synthetic}"
+        f"{m['initial_val_ppl']:.1f} {before} -> {m['final_val_ppl']:.1f} {after}{synthetic}"
     )
     return result
 

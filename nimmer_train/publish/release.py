@@ -57,6 +57,7 @@ class PublishRequest:
     license: str = "apache-2.0"
     blob_base_url: str | None = None  # where players download from; None: file:// of the releases
     evaluation: dict[str, Any] | None = None  # the register LoRAs' evaluation (loras/evaluation.py)
+    voice: dict[str, Any] | None = None  # the voice report of this content (voice/quality.py)
 
 
 def _drill(point: str) -> None:
@@ -138,7 +139,10 @@ def _corpus_refs(req: PublishRequest, base_manifest: dict[str, Any], merged: dic
 
 
 def _origin(base_manifest: dict[str, Any]) -> str:
-    model = base_manifest["lineage"]["model"]
+    model, origin = base_manifest["lineage"]["model"], base_manifest["lineage"].get("origin") or {}
+    if origin.get("checkpoint"):  # a pretrained checkpoint (e.g. SmolLM2 from its GGUF), not its local copy
+        licence = f", {origin['license']}" if origin.get("license") else ""
+        return f"{origin['checkpoint']} (continued pretraining on the literary corpus{licence})"
     if model.get("name_or_path"):
         return str(model["name_or_path"])
     params = base_manifest["lineage"]["metrics"].get("parameters")
@@ -350,6 +354,7 @@ def _version_manifest(
         "merged_adapter": _merged_adapter(req, merged_meta),
         "compatible_loras": compat,
         "register_evaluation": req.evaluation,
+        "voice_report": {**req.voice, "version": label} if req.voice else None,
         "content_fingerprint": fp,
         "weights_sha256": weights,
     }

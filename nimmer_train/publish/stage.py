@@ -26,6 +26,7 @@ from nimmer_train.publish.signing import generate_key
 if TYPE_CHECKING:
     from nimmer_train.federation.stage import FederationResult
     from nimmer_train.loras.stage import LoraResult
+    from nimmer_train.voice.quality import VoiceReport
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,25 @@ def _promote_first(releases: Path, first: Version) -> None:
     )
 
 
+def _voice(cfg: Config, releases: Path, req: PublishRequest) -> VoiceReport | None:
+    """The voice report for ``req``'s model card; None when publish.voice_eval is off or the
+    content is already published (its card already has one)."""
+    from nimmer_train.publish.voice import already_published, voice_report
+
+    if not cfg.publish.voice_eval.enabled or already_published(releases, req):
+        return None
+    return voice_report(cfg, req)
+
+
+def _log_voice(report: VoiceReport, run_id: str | None) -> None:
+    """Print the report; in MLflow its figures as ``voice.vN.<register or all>.<figure>`` metrics
+    (the speak stage's names) and the whole of it as ``<label>/voice_report.json``."""
+    print("\n".join(report.lines()))
+    if run_id:
+        mlflow.log_metrics(report.metrics())
+        mlflow.log_dict(report.summary(), f"{report.version}/voice_report.json")
+
+
 @dataclass
 class PublishResult:
     """The versions this stage published or found already published, oldest first."""
@@ -151,11 +171,16 @@ def publish_stage(
     published = []
     with tracking.stage_run(cfg, pipeline, "publish") as run_id:
         for req in requests:
+            voice = _voice(cfg, releases, req)
+            if voice is not None:
+                req = dataclasses.replace(req, voice=voice.summary())
             version, new = publish_version(releases, key, req)
             published.append(version)
             print(
                 f"publish: {version.label} {'published' if new else 'already published'} at {version.folder}"
             )
+            if voice is not None:
+                _log_voice(dataclasses.replace(voice, version=version.label), run_id)
         if p.promote_first:
             _promote_first(releases, published[0])
         if run_id:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -27,8 +28,17 @@ from nimmer_train.runtime.rings import RingA, RingB, RingConfig
 from nimmer_train.runtime.selection import SelectionConfig
 from nimmer_train.runtime.turn import NpcRuntime, Turn, TurnRequest
 from nimmer_train.voice.prompt_dsl import AffectState
+from nimmer_train.voice.quality import (
+    VoiceReport,
+    heldout_of_adapters,
+    heldout_of_config,
+    recorded_heldout,
+    recorded_settings,
+    voice_eval,
+)
 
 TURNS_FILE = "turns.json"
+VOICE_FILE = "voice_report.json"
 
 
 @contextlib.contextmanager
@@ -100,14 +110,34 @@ Brother Anselm preaches at the salt steps every evening and distrusts the hivemi
 """
 
 
+@contextlib.contextmanager
+def agent_transcripts(folder: Path) -> Iterator[Any]:
+    """The demo NPC agent's memory (issue 16) and a transcript indexer on it, for the runtime to
+    queue its exchanges to; flushed and closed on exit."""
+    from nimmer_train.memory.agent_memory import AgentMemory
+    from nimmer_train.memory.embedding import SentenceEmbedder
+    from nimmer_train.memory.ingestion import TranscriptIndexer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    agent = AgentMemory(folder, SentenceEmbedder())
+    indexer = TranscriptIndexer(agent)
+    try:
+        yield indexer
+        indexer.flush()
+    finally:
+        indexer.close()
+        agent.close()
+
+
 def agent_memory_session(folder: Path, turns: list[Turn]) -> dict[str, object]:
-    """A short scripted session of an NPC agent with long-term memory (issue 16): its workspace
-    notes are ingested, the demo's turns are indexed as episodes, two directives (the second
-    supersedes the first), a search, one consolidation; prints and returns ``memory_status``."""
+    """A short scripted session of an NPC agent with long-term memory (issue 16), after the
+    runtime indexed the demo's turns as episodes (:func:`agent_transcripts`): its workspace notes
+    are ingested, two directives (the second supersedes the first), a search, one consolidation;
+    prints and returns ``memory_status``."""
     from nimmer_train.memory.agent_memory import AgentMemory
     from nimmer_train.memory.consolidation import consolidate
     from nimmer_train.memory.embedding import SentenceEmbedder
-    from nimmer_train.memory.ingestion import Exchange, TranscriptIndexer, ingest_workspace
+    from nimmer_train.memory.ingestion import ingest_workspace
 
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "MEMORY.md").exists():
@@ -115,18 +145,6 @@ def agent_memory_session(folder: Path, turns: list[Turn]) -> dict[str, object]:
     agent = AgentMemory(folder, SentenceEmbedder())
     try:
         ingested = ingest_workspace(agent)
-        indexer = TranscriptIndexer(agent)
-        for i, turn in enumerate(turns):
-            said = str(turn.reply.get("utterance", "")) if isinstance(turn.reply, dict) else str(turn.reply)
-            indexer.submit(
-                Exchange(
-                    "demo-session",
-                    (f"t{i}",),
-                    (("player", "What news from the gate tonight?"), (turn.npc, said)),
-                    time.time(),
-                )
-            )
-        indexer.flush()
         agent.working_memory_note("The player wants short answers.", kind="directive")
         agent.working_memory_note(
             "The player now wants long, detailed answers about the gate.", kind="directive"
@@ -147,18 +165,29 @@ def agent_memory_session(folder: Path, turns: list[Turn]) -> dict[str, object]:
 
 @dataclass
 class SpeakResult:
-    """The turns spoken (one per register and tier) and where they were written."""
+    """The turns spoken (one per register and tier) and where they were written; the voice report
+    of the loaded version (None when publish.voice_eval is off), written beside them."""
 
     turns: list[Turn]
     path: Path
+    voice: VoiceReport | None = None
 
 
 def speak_stage(cfg: Config, pipeline: str = "speak") -> SpeakResult:
-    """Speak the demo turns inside an MLflow run (turns table and timings logged)."""
+    """Speak the demo turns inside an MLflow run (turns table and timings logged), then measure
+    the version's voice (publish.voice_eval's set of turns, the same as its model card's)."""
     path = Path(cfg.paths.workdir).resolve() / "runtime" / TURNS_FILE
+    r = cfg.runtime
     with tracking.stage_run(cfg, pipeline, "speak") as run_id:
-        turns = _speak(cfg, path)
-        status = agent_memory_session(Path(cfg.paths.workdir).resolve() / "agents" / "demo-npc", turns)
+        model = LocalModel.open(Path(r.releases_dir), r.version, Path(r.trusted_keys))
+        agent = Path(cfg.paths.workdir).resolve() / "agents" / "demo-npc"
+        try:
+            with agent_transcripts(agent) as transcripts:
+                turns = _speak(cfg, model, path, transcripts)
+            voice = _voice(cfg, model, path.parent / VOICE_FILE, run_id)
+        finally:
+            model.close()
+        status = agent_memory_session(agent, turns)
         if run_id:
             import mlflow
 
@@ -182,14 +211,47 @@ def speak_stage(cfg: Config, pipeline: str = "speak") -> SpeakResult:
             mlflow.log_metrics(
                 {"turns": len(turns), "mean_turn_seconds": sum(t.seconds for t in turns) / len(turns)}
             )
-    return SpeakResult(turns, path)
+    return SpeakResult(turns, path, voice)
 
 
-def _speak(cfg: Config, path: Path) -> list[Turn]:
+def _voice(cfg: Config, model: LocalModel, path: Path, run_id: str | None) -> VoiceReport | None:
+    """The version's voice report, printed, written to ``path`` and logged (``voice.vN.*``
+    metrics, ``voice_report.json``); measured as its manifest's report was (turns, tokens, seed,
+    held-out scenes) when it has one, else on the scenes its LoRAs were not trained on. A report
+    left at ``path`` by an earlier run is removed first (none stays when this one is off or fails)."""
+    path.unlink(missing_ok=True)
+    if not cfg.publish.voice_eval.enabled:
+        return None
+    manifest = model.version.manifest
+    heldout = (
+        recorded_heldout(manifest)
+        or heldout_of_adapters(list(model.version.loras.values()), cfg.paths.artifacts_dir())
+        or heldout_of_config(cfg.composition, cfg.curation.validation_fraction)
+    )
+    report = voice_eval(
+        model,
+        recorded_settings(cfg.publish.voice_eval, manifest),
+        cfg.registers,
+        cfg.composition,
+        heldout,
+        manifest.get("register_evaluation"),
+    )
+    write_json_atomic(path, report.summary())
+    print("\n" + "\n".join(report.lines()) + f"\nvoice report: {path}")
+    if run_id:
+        import mlflow
+
+        mlflow.log_metrics(report.metrics())
+        mlflow.log_dict(report.summary(), VOICE_FILE)
+    return report
+
+
+def _speak(cfg: Config, model: LocalModel, path: Path, transcripts: Any = None) -> list[Turn]:
+    """One turn per register and tier through the rings; each exchange goes to ``transcripts``
+    (a TranscriptIndexer) as the runtime speaks it."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     r = cfg.runtime
     releases, trusted = Path(r.releases_dir), Path(r.trusted_keys)
-    model = LocalModel.open(releases, r.version, trusted)
     registers = [*model.registers, *([model.merged_register] if model.merged_register else [])]
     from nimmer_train.memory.embedding import SentenceEmbedder
     from nimmer_train.memory.sync import open_player
@@ -206,6 +268,8 @@ def _speak(cfg: Config, path: Path) -> list[Turn]:
                 selection=SelectionConfig(r.decay, r.margin, r.patience),
                 registers=sorted(registers),
                 max_new_tokens=r.max_new_tokens,
+                transcripts=transcripts,
+                session_id="demo-session",
             )
             for register in sorted(registers):
                 traits = cfg.registers.get(register).traits

@@ -108,6 +108,13 @@ def test_run_all_publishes_v1_and_the_federated_v2(tiny_run: Path) -> None:
     )
     # each epsilon says exactly which mechanism it covers
     assert privacy.count("  - covers: ") == 2
+    # the voice report (experiment ci_tiny: 3 turns per register) of each version's registers:
+    # v1's two LoRAs; v2's LoRA and the register merged into its weights
+    for version in (v1, v2):
+        voice = version.manifest["voice_report"]
+        assert voice["version"] == version.label and voice["overall"]["turns"] == 6
+        assert [r["register"] for r in voice["registers"]] == ["drunk-scavenger", "hivemind-broadcast"]
+    assert "## Voice report" in card and "| goal (on a real base) |" in card
     assert "Gaussian mechanism on the sum" in privacy and "DP-SGD on the anonymised pool" in privacy
     assert "noised pool counts" in privacy and "Local DP-SGD on A.1 devices" in privacy
     # the server never learns who contributed: no id reaches the card, the manifest or the registry,

@@ -1,0 +1,700 @@
+"""The voice report (``voice_eval``): how a version's NPCs speak, measured on a fixed, seeded set
+of turns per register generated through Ring A. Publish writes it into each new version's model
+card (before signing, on the very weights and LoRAs it publishes); the speak stage measures the
+version it loaded with the same set (the settings and held-out scenes its manifest records).
+
+Prompts: ``turns_per_register`` DSL prompts per register drawn (seeded) from the scenes held out
+of the adapters' training sets (:class:`Heldout`: each adapter's synthetic corpus lists them in
+its ``stats.json``; the current config's ``curation.validation_fraction`` only when no record is
+found, and the report says which), rendered as Ring A renders them, with the runtime's knobs for
+the prompt's traits and affect, under the turn schema.
+
+Every figure but distinct-2 and mean words is per reply, over **all** of a register's turns (a
+reply that fails the schema counts as 0 English, not speaking, a register miss); the overall row
+is the mean over registers (macro), so no register and no long reply outweighs the others:
+
+- ``schema_valid``: share of replies that parse and validate against the turn schema;
+- ``english_rate``: mean over replies of the share of the reply's word tokens (``wordfreq``
+  tokens with a letter, a trailing 's dropped) that are English (:func:`is_english`: Zipf >=
+  :data:`ENGLISH_ZIPF` in wordfreq's list, >= 4.0 for 3 letters and >= 5.0 for 2, a lone letter
+  only as "a", "I", "O": subword fragments such as "er", "th", "nt", "bal" fall out); a reply
+  without a word scores 0. The hand-written seed set scores 0.982 (0.983 before the short-word
+  bars and the 's; its names and archaic forms, "Ilse", "cisterns", "askest", are what it
+  loses). It is lexical: word salad made of real words scores high; read it beside the samples
+  and distinct-2;
+- ``speaks``: share of replies of :data:`SPEAKS_WORDS` words or more (fragments are visible);
+- ``register_accuracy``: a register classifier trained on the hand-written seed set (character
+  1-4-gram TF-IDF, word-bounded and sublinear, and a logistic regression) labels each utterance;
+  share of turns labelled with the register that spoke. It abstains (label ``none``, a miss) on
+  replies under :data:`SPEAKS_WORDS` words and below the confidence that 98 % of the seed lines
+  reach in its leave-one-scene-out cross-validation; a reply that copies a seed line is a miss
+  too. Chance is 1/registers; its cross-validated accuracy on the seed set is its ceiling;
+- ``abstain_rate``: share of turns the classifier abstained on (``predicted``: every label);
+- ``copy_rate``: share of replies that repeat :data:`COPY_RUN` consecutive words of a seed line,
+  or a whole 5-7-word reply found in one (the replay teacher's r1 set is the seed lines);
+- ``distinct_2``: distinct word bigrams / all word bigrams of a register's valid utterances
+  (it falls as the sample grows: compare it only at equal turns and lengths);
+- ``mean_words``: mean valid utterance length in words.
+
+The register x adapter held-out loss matrix (issue 4, :mod:`nimmer_train.loras.evaluation`) is not
+recomputed: its headline rides along.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections import Counter
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from nimmer_train.errors import NimmerError
+from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, ReplyError, TurnPrompt, render_compact, validate_reply
+
+if TYPE_CHECKING:
+    from nimmer_train.config import VoiceEvalConfig
+    from nimmer_train.runtime.local_model import LocalModel
+    from nimmer_train.voice.composition import CompositionConfig
+    from nimmer_train.voice.registers import RegistersConfig
+
+ENGLISH_ZIPF = 2.5
+SHORT_ZIPF = {2: 5.0, 3: 4.0}  # fragments of 2-3 letters ("er" 4.2, "th" 4.2, "bal" 3.1) sit below
+LETTER_WORDS = frozenset("aio")  # the only one-letter English words
+SPEAKS_WORDS = 3  # a reply shorter than this does not speak; the classifier abstains on it
+ABSTAIN_QUANTILE = 0.02  # abstain below the confidence 98 % of seed lines reach under CV
+COPY_RUN, COPY_MIN = 8, 5  # a copy: 8 consecutive words of a seed line, or a whole 5-7-word reply
+NONE, INVALID = "none", "invalid"  # the labels of an abstention and of a reply that fails the schema
+GOALS = {"schema_valid": 0.98, "english_rate": 0.90, "register_accuracy": 0.60}  # on a real base
+FIGURES = (
+    "schema_valid",
+    "english_rate",
+    "register_accuracy",
+    "speaks",
+    "abstain_rate",
+    "copy_rate",
+    "distinct_2",
+    "mean_words",
+)
+CV = "leave-one-scene-out"
+SAMPLES = 3  # utterances kept per register in the report
+
+
+# --- the figures on plain text ------------------------------------------------------------------
+
+
+def words(text: str) -> list[str]:
+    """The word tokens of ``text`` (wordfreq's English tokenizer, lowercased; tokens with a letter)."""
+    from wordfreq import tokenize
+
+    return [w for w in tokenize(text, "en") if any(c.isalpha() for c in w)]
+
+
+@lru_cache(maxsize=65536)
+def is_english(word: str) -> bool:
+    """``word`` (a :func:`words` token) is English: its Zipf frequency, a trailing 's dropped, is
+    >= :data:`ENGLISH_ZIPF` (>= :data:`SHORT_ZIPF` for 2 and 3 letters); a lone letter only if a word."""
+    from wordfreq import zipf_frequency
+
+    stem = word.removesuffix("'s").removesuffix("\u2019s") or word
+    if len(stem) == 1:
+        return stem in LETTER_WORDS
+    return zipf_frequency(stem, "en") >= SHORT_ZIPF.get(len(stem), ENGLISH_ZIPF)
+
+
+def english_share(text: str) -> float:
+    """Share of ``text``'s words that are English; 0 when it has no word."""
+    tokens = words(text)
+    return sum(map(is_english, tokens)) / len(tokens) if tokens else 0.0
+
+
+def english_rate(texts: list[str]) -> float | None:
+    """Mean over ``texts`` of :func:`english_share` (each reply weighs the same); None: no text."""
+    return sum(map(english_share, texts)) / len(texts) if texts else None
+
+
+def distinct_n(texts: list[str], n: int = 2) -> float | None:
+    """Distinct word n-grams over all word n-grams of ``texts`` (none across a text's end)."""
+    grams = [tuple(ws[i : i + n]) for text in texts for ws in [words(text)] for i in range(len(ws) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else None
+
+
+def mean_words(texts: list[str]) -> float | None:
+    return sum(len(words(t)) for t in texts) / len(texts) if texts else None
+
+
+def copy_grams(texts: list[str]) -> frozenset[tuple[str, ...]]:
+    """Every run of :data:`COPY_MIN` to :data:`COPY_RUN` consecutive words of ``texts``."""
+    out: set[tuple[str, ...]] = set()
+    for text in texts:
+        ws = words(text)
+        out.update(
+            tuple(ws[i : i + n]) for n in range(COPY_MIN, COPY_RUN + 1) for i in range(len(ws) - n + 1)
+        )
+    return frozenset(out)
+
+
+def copies(text: str, grams: frozenset[tuple[str, ...]]) -> bool:
+    """``text`` repeats :data:`COPY_RUN` consecutive words of a line of ``grams`` (:func:`copy_grams`),
+    or is, whole, a run of :data:`COPY_MIN` words or more of one."""
+    ws = words(text)
+    if len(ws) >= COPY_RUN:
+        return any(tuple(ws[i : i + COPY_RUN]) in grams for i in range(len(ws) - COPY_RUN + 1))
+    return len(ws) >= COPY_MIN and tuple(ws) in grams
+
+
+def parse_reply(text: str | None, schema: dict[str, Any] = TURN_SCHEMA) -> dict[str, Any] | None:
+    """The reply if ``text`` is valid under ``schema``, else None."""
+    try:
+        return validate_reply(text, schema)
+    except ReplyError:
+        return None
+
+
+# --- the register classifier --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SeedLine:
+    register: str
+    scene: str
+    utterance: str
+
+
+def seed_lines(path: Path) -> list[SeedLine]:
+    """The hand-written seed set's utterances (data/seed/teacher_replay_v1.jsonl rows)."""
+    if not path.is_file():
+        raise NimmerError(f"no seed set at {path} (publish.voice_eval.seed_set)")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            reply = json.loads(row["response"]["content"])
+            out.append(SeedLine(row["register"], row.get("scene", ""), str(reply["utterance"])))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise NimmerError(
+                f"{path}:{n}: not a seed row with a register and a reply with an utterance ({exc})"
+            ) from exc
+    return out
+
+
+@dataclass(frozen=True)
+class RegisterClassifier:
+    """Character n-gram TF-IDF + logistic regression, fitted on the seed set, that abstains on
+    fragments and on low confidence; it also holds the seed lines' word runs (copies)."""
+
+    pipeline: Any  # sklearn Pipeline
+    registers: list[str]
+    trained_on: int  # seed lines
+    cv_accuracy: float | None  # leave-one-scene-out on the seed set: the classifier's ceiling
+    source: str  # the seed set's file name and sha256 prefix
+    threshold: float = 0.0  # abstain below this top probability (0: on fragments only)
+    cv_abstain: float | None = None  # share of seed lines abstained on under CV
+    seed_grams: frozenset[tuple[str, ...]] = frozenset()  # for :func:`copies`
+
+    def predict(self, texts: list[str]) -> list[str]:
+        """The most likely register of each text (never abstains)."""
+        return [str(p) for p in self.pipeline.predict(texts)] if texts else []
+
+    def label(self, texts: list[str]) -> list[str]:
+        """Each text's register, or :data:`NONE` under :data:`SPEAKS_WORDS` words or below the threshold."""
+        if not texts:
+            return []
+        probs = self.pipeline.predict_proba(texts)
+        classes = [str(c) for c in self.pipeline.classes_]
+        return [
+            classes[int(p.argmax())] if len(words(t)) >= SPEAKS_WORDS and p.max() >= self.threshold else NONE
+            for t, p in zip(texts, probs, strict=True)
+        ]
+
+    def describe(self) -> str:
+        cv = (
+            f"{CV} accuracy {self.cv_accuracy:.3f} on them, its ceiling; it abstains under "
+            f"{SPEAKS_WORDS} words and below top probability {self.threshold:.2f} (the "
+            f"{ABSTAIN_QUANTILE:.0%} quantile of its {CV} confidence: {self.cv_abstain:.1%} of seed lines)"
+            if self.cv_accuracy is not None and self.cv_abstain is not None
+            else f"no CV; it abstains under {SPEAKS_WORDS} words"
+        )
+        return (
+            f"char 1-4-gram TF-IDF + logistic regression on {self.trained_on} hand-written seed lines "
+            f"({self.source}); {cv}"
+        )
+
+
+def _pipeline() -> Any:
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+
+    return make_pipeline(
+        TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 4), sublinear_tf=True),
+        LogisticRegression(C=10.0, max_iter=2000),
+    )
+
+
+def fit_classifier(lines: list[SeedLine], source: str = "seed set") -> RegisterClassifier:
+    """Fit on ``lines``; cross-validated by scene (each fold holds one scene out) when there are two
+    scenes or more and every fold still trains on two registers or more, which also calibrates
+    the abstention threshold (:data:`ABSTAIN_QUANTILE` of the out-of-fold top probabilities)."""
+    from sklearn.model_selection import LeaveOneGroupOut, cross_val_predict
+
+    texts, labels = [x.utterance for x in lines], [x.register for x in lines]
+    if len(set(labels)) < 2:
+        raise NimmerError(f"the seed set ({source}) needs lines of two registers or more to train on")
+    scenes = [x.scene for x in lines]
+    cv = threshold = cv_abstain = None
+    folds = [{r for r, g in zip(labels, scenes, strict=True) if g != held} for held in set(scenes)]
+    if len(folds) >= 2 and all(len(f) >= 2 for f in folds):
+        probs = cross_val_predict(
+            _pipeline(), texts, labels, groups=scenes, cv=LeaveOneGroupOut(), method="predict_proba"
+        )
+        classes = sorted(set(labels))
+        cv = float(np.mean([classes[int(p.argmax())] == y for p, y in zip(probs, labels, strict=True)]))
+        top = probs.max(axis=1)
+        threshold = float(np.quantile(top, ABSTAIN_QUANTILE))
+        cv_abstain = float(np.mean(top < threshold))
+    fitted = _pipeline().fit(texts, labels)
+    return RegisterClassifier(
+        fitted, sorted(set(labels)), len(lines), cv, source, threshold or 0.0, cv_abstain, copy_grams(texts)
+    )
+
+
+@lru_cache(maxsize=4)
+def _seed_classifier(path: str, sha256: str) -> RegisterClassifier:
+    return fit_classifier(seed_lines(Path(path)), f"{Path(path).name} sha256 {sha256[:12]}")
+
+
+def seed_classifier(path: Path) -> RegisterClassifier:
+    """The classifier of the seed set at ``path`` (fitted once per process and file content)."""
+    if not path.is_file():
+        raise NimmerError(f"no seed set at {path} (publish.voice_eval.seed_set)")
+    return _seed_classifier(str(path), hashlib.sha256(path.read_bytes()).hexdigest())
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GeneratedTurn:
+    register: str
+    text: str | None  # the raw reply
+    seconds: float = 0.0
+    error: str | None = None  # generation failed
+
+    @property
+    def reply(self) -> dict[str, Any] | None:
+        return parse_reply(self.text)
+
+    @property
+    def utterance(self) -> str | None:
+        reply = self.reply
+        return str(reply["utterance"]) if reply is not None else None
+
+
+@dataclass(frozen=True)
+class VoiceFigures:
+    """One register's figures (``register`` "all": the mean over registers). Per-reply figures
+    are over all ``turns``; distinct-2 and mean words over the ``valid`` ones."""
+
+    register: str
+    turns: int
+    valid: int  # schema-valid replies
+    schema_valid: float
+    english_rate: float | None  # None: no turn
+    register_accuracy: float | None  # None: the classifier does not know this register
+    speaks: float | None
+    abstain_rate: float | None
+    copy_rate: float | None
+    distinct_2: float | None
+    mean_words: float | None
+    predicted: dict[str, int] = field(default_factory=dict)  # label (or none / invalid) -> turns
+    samples: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class VoiceReport:
+    version: str
+    registers: list[VoiceFigures]
+    overall: VoiceFigures
+    chance: float  # 1 / the classifier's registers
+    classifier: str  # what labels the utterances, with its ceiling and abstention
+    classifier_cv_accuracy: float | None
+    english_zipf: float
+    settings: dict[str, Any]  # turns_per_register, max_new_tokens, seed, ring, adapters, held-out scenes
+    heldout_loss: dict[str, Any] | None  # issue 4's matrix headline; None: no evaluation
+    seconds: float
+    goals: dict[str, float] = field(default_factory=lambda: dict(GOALS))
+    classifier_threshold: float = 0.0
+    short_zipf: dict[int, float] = field(default_factory=lambda: dict(SHORT_ZIPF))
+
+    def summary(self) -> dict[str, Any]:
+        """The report as plain JSON (the manifest's ``voice_report``)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def metrics(self) -> dict[str, float]:
+        """Flat MLflow metrics, the same names from publish and speak:
+        ``voice.<vN>.<register or all>.<figure>``, ``voice.<vN>.chance`` and ``voice.<vN>.seconds``."""
+        short = self.version.rsplit("-", 1)[-1]
+        prefix = f"voice.{short}." if short else "voice."
+        out = {f"{prefix}chance": self.chance, f"{prefix}seconds": self.seconds}
+        for figures in (self.overall, *self.registers):
+            for name in FIGURES:
+                value = getattr(figures, name)
+                if value is not None:
+                    out[f"{prefix}{figures.register}.{name}"] = float(value)
+        return out
+
+    def lines(self) -> list[str]:
+        """The report as text, goals beside the values."""
+        return report_lines(self.summary())
+
+
+def score(
+    turns: list[GeneratedTurn],
+    classifier: RegisterClassifier,
+    version: str = "",
+    settings: dict[str, Any] | None = None,
+    heldout_loss: dict[str, Any] | None = None,
+    seconds: float = 0.0,
+) -> VoiceReport:
+    """The report of ``turns``, one row per register (sorted) and their mean."""
+    by_register: dict[str, list[GeneratedTurn]] = {}
+    for turn in turns:
+        by_register.setdefault(turn.register, []).append(turn)
+    rows = [_figures(name, group, classifier) for name, group in sorted(by_register.items())]
+    return VoiceReport(
+        version=version,
+        registers=rows,
+        overall=_overall(rows),
+        chance=1 / len(classifier.registers),
+        classifier=classifier.describe(),
+        classifier_cv_accuracy=classifier.cv_accuracy,
+        english_zipf=ENGLISH_ZIPF,
+        settings=settings or {},
+        heldout_loss=heldout_loss,
+        seconds=round(seconds, 2),
+        classifier_threshold=classifier.threshold,
+    )
+
+
+def _figures(name: str, turns: list[GeneratedTurn], classifier: RegisterClassifier) -> VoiceFigures:
+    utterances = [t.utterance for t in turns]
+    texts = [u for u in utterances if u is not None]
+    labelled = iter(classifier.label(texts))
+    labels = [INVALID if u is None else next(labelled) for u in utterances]
+    copied = [u is not None and copies(u, classifier.seed_grams) for u in utterances]
+    n = len(turns)
+    hits = sum(label == name and not c for label, c in zip(labels, copied, strict=True))
+    return VoiceFigures(
+        register=name,
+        turns=n,
+        valid=len(texts),
+        schema_valid=len(texts) / n if n else 0.0,
+        english_rate=sum(english_share(u) for u in texts) / n if n else None,
+        register_accuracy=hits / n if n and name in classifier.registers else None,
+        speaks=sum(len(words(u)) >= SPEAKS_WORDS for u in texts) / n if n else None,
+        abstain_rate=labels.count(NONE) / n if n else None,
+        copy_rate=sum(copied) / n if n else None,
+        distinct_2=distinct_n(texts, 2),
+        mean_words=mean_words(texts),
+        predicted=dict(sorted(Counter(labels).items())),
+        samples=texts[:SAMPLES],
+    )
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def _overall(rows: list[VoiceFigures]) -> VoiceFigures:
+    """The mean over registers of each figure (a register without a value, e.g. distinct-2 of a
+    register with no valid reply, left out of that figure's mean); counts summed."""
+    predicted: Counter[str] = Counter()
+    for row in rows:
+        predicted.update(row.predicted)
+    means = {name: _mean([getattr(r, name) for r in rows]) for name in FIGURES}
+    return VoiceFigures(
+        register="all",
+        turns=sum(r.turns for r in rows),
+        valid=sum(r.valid for r in rows),
+        **{**means, "schema_valid": means["schema_valid"] or 0.0},
+        predicted=dict(sorted(predicted.items())),
+    )
+
+
+def heldout_summary(evaluation: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The headline of the register LoRAs' held-out loss matrix (an Evaluation.summary()):
+    separability and mean gain, each register's base and own-adapter loss and margin."""
+    if not evaluation:
+        return None
+    head = evaluation.get("headline", {"set": "r1", "tokens": "utterance"})
+    scores = evaluation.get("scores", {}).get(head["set"], {}).get(head["tokens"])
+    if not scores or not scores.get("registers"):
+        return None
+    return {
+        "set": head["set"],
+        "tokens": head["tokens"],
+        "separability": scores["separability"]["value"],
+        "mean_gain": scores["mean_gain"]["value"],
+        "registers": {
+            r: {
+                "base": scores["matrix"][r]["base"]["loss"],
+                "own": (scores["matrix"][r].get(r) or {}).get("loss"),
+                "margin": (scores["margins"].get(r) or {}).get("value"),
+                "n": scores["matrix"][r]["base"]["n"],
+            }
+            for r in scores["registers"]
+        },
+    }
+
+
+# --- text ----------------------------------------------------------------------------------------
+
+AGGREGATION = (
+    "per reply over all turns (a reply that fails the schema: 0 English, not speaking, a miss); "
+    "distinct-2 and words over the valid replies; overall: the mean over registers"
+)
+
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _goal(name: str, value: float | None, goals: dict[str, float]) -> str:
+    if name not in goals:
+        return _f(value)
+    mark = "" if value is None else (" ok" if value >= goals[name] else " below")
+    return f"{_f(value)} (goal >= {goals[name]:.2f}{mark})"
+
+
+def confusion(predicted: dict[str, int]) -> str:
+    """A row's labels, most frequent first: ``drunk-scavenger 5, none 2, invalid 1``."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(predicted.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def report_lines(report: dict[str, Any]) -> list[str]:
+    """A report's summary as printable lines: one row per register, the overall figures with
+    their goals, the labels each register got, the classifier and the held-out loss headline."""
+    s, goals = report["settings"], report["goals"]
+    lines = [
+        f"Voice report of {report['version'] or 'this version'} ({s.get('ring', 'ring A')}, "
+        f"{s.get('turns_per_register')} turns per register on held-out scenes, at most "
+        f"{s.get('max_new_tokens')} new tokens, seed {s.get('seed')}; {report['seconds']:.1f} s):",
+        f"  {'register':<26} {'turns':>5} {'schema':>7} {'English':>8} {'reg.acc':>8} {'speaks':>7} "
+        f"{'abstain':>8} {'copied':>7} {'dist-2':>7} {'words':>6}",
+    ]
+    for row in [*report["registers"], report["overall"]]:
+        lines.append(
+            f"  {row['register']:<26} {row['turns']:>5} {_f(row['schema_valid']):>7} "
+            f"{_f(row['english_rate']):>8} {_f(row['register_accuracy']):>8} {_f(row['speaks']):>7} "
+            f"{_f(row['abstain_rate']):>8} {_f(row['copy_rate']):>7} {_f(row['distinct_2']):>7} "
+            f"{_f(row['mean_words'], 1):>6}" + ("  (no valid reply)" if row["valid"] == 0 else "")
+        )
+    o = report["overall"]
+    lines += [
+        "  overall: "
+        + "; ".join(f"{name} {_goal(name, o[name], goals)}" for name in GOALS)
+        + f"; chance {report['chance']:.2f}; copied {_f(o['copy_rate'])} (copies count as misses)",
+        f"  figures: {AGGREGATION}",
+        f"  held-out scenes: {', '.join(s.get('heldout_scenes') or []) or 'every scene'}; "
+        f"{s.get('heldout_source', 'source not recorded')}",
+        f"  register classifier: {report['classifier']}",
+    ]
+    lines += [f"  labelled [{row['register']}]: {confusion(row['predicted'])}" for row in report["registers"]]
+    loss = report.get("heldout_loss")
+    if loss:
+        lines.append(
+            f"  held-out loss matrix (issue 4, {loss['set']} {loss['tokens']} tokens): separability "
+            f"{_f(loss['separability'])}, mean gain over the base {_f(loss['mean_gain'], 3)} nats/token"
+        )
+    for row in report["registers"]:
+        for sample in row["samples"][:1]:
+            lines.append(f"  e.g. [{row['register']}] {sample[:120]!r}")
+    return lines
+
+
+# --- the held-out scenes -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Heldout:
+    """The scenes the prompts come from (empty: every scene) and where that list comes from."""
+
+    scenes: tuple[str, ...]
+    source: str
+
+
+def heldout_of_synths(fingerprints: Collection[str], artifacts: Path) -> Heldout | None:
+    """The scenes held out of every one of these synthetic corpora (``heldout_scenes`` of each
+    ``artifacts/synth/*-<fingerprint[:12]>/stats.json``); None when one is not found."""
+    held: list[set[str]] = []
+    for fp in sorted(set(fingerprints)):
+        found = sorted((artifacts / "synth").glob(f"*-{fp[:12]}/stats.json"))
+        stats = json.loads(found[0].read_text()) if found else {}
+        if "heldout_scenes" not in stats:
+            return None
+        held.append(set(stats["heldout_scenes"]))
+    if not held:
+        return None
+    common = tuple(sorted(set.intersection(*held)))
+    names = ", ".join(fp[:12] for fp in sorted(set(fingerprints)))
+    return Heldout(common, f"held out of the adapters' training sets (synth {names}, stats.json)")
+
+
+def heldout_of_adapters(folders: Collection[Path], artifacts: Path) -> Heldout | None:
+    """:func:`heldout_of_synths` of the corpora these adapters were trained on (their metadata's
+    ``datasets.synth``); None without adapters or a record."""
+    from nimmer_train.loras.adapters import read_metadata
+
+    fps = [read_metadata(folder).get("datasets", {}).get("synth") for folder in folders]
+    if not fps or None in fps:
+        return None
+    return heldout_of_synths([str(fp) for fp in fps], artifacts)
+
+
+def heldout_of_config(composition: CompositionConfig, validation_fraction: float) -> Heldout:
+    """The fallback: the scenes the current config's ``curation.validation_fraction`` holds out."""
+    from nimmer_train.synth.synthesize import heldout_scenes
+
+    held = heldout_scenes([s.name for s in composition.scenes], validation_fraction)
+    return Heldout(
+        tuple(sorted(held)),
+        f"no record of the adapters' training sets: the current config's curation.validation_fraction "
+        f"{validation_fraction:g}",
+    )
+
+
+def recorded_heldout(manifest: dict[str, Any]) -> Heldout | None:
+    """The held-out scenes a version's manifest records (its voice report's settings), or None."""
+    s = (manifest.get("voice_report") or {}).get("settings") or {}
+    if "heldout_scenes" not in s:
+        return None
+    return Heldout(tuple(s["heldout_scenes"]), f"recorded at publish: {s.get('heldout_source', '?')}")
+
+
+def recorded_settings(cfg: VoiceEvalConfig, manifest: dict[str, Any]) -> VoiceEvalConfig:
+    """``cfg`` with the turns, token budget and seed a version's voice report was measured with."""
+    s = (manifest.get("voice_report") or {}).get("settings") or {}
+    keys = ("turns_per_register", "max_new_tokens", "seed")
+    return dataclasses.replace(cfg, **{k: s[k] for k in keys if isinstance(s.get(k), int)})
+
+
+# --- generation through Ring A -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    register: str
+    scene: str
+    prompt: TurnPrompt
+    seed: int
+
+
+def eval_prompts(
+    catalogue: RegistersConfig,
+    composition: CompositionConfig,
+    registers: list[str],
+    per_register: int,
+    seed: int,
+    scenes: Collection[str],
+) -> list[EvalPrompt]:
+    """``per_register`` prompts per register, a seeded draw from the composition's prompts in
+    ``scenes`` (every scene when empty), each with its own generation seed."""
+    from nimmer_train.voice.composition import expand
+
+    spec = dataclasses.replace(composition, registers=None, per_register=None)
+    held = set(scenes) or {s.name for s in spec.scenes}
+    requests = [r for r in expand(spec, catalogue) if r.tags["scene"] in held]
+    out: list[EvalPrompt] = []
+    for index, name in enumerate(registers):
+        pool = [r for r in requests if r.register == name]
+        if not pool:
+            raise NimmerError(
+                f"the composition {composition.name!r} has no prompt for register {name!r} in the "
+                f"held-out scenes {sorted(held)}"
+            )
+        order = np.random.default_rng([seed, index]).permutation(len(pool))
+        picks = [pool[order[i % len(pool)]] for i in range(per_register)]
+        out += [
+            EvalPrompt(name, str(r.tags["scene"]), r.prompt, seed * 100_003 + len(out) + i)
+            for i, r in enumerate(picks)
+        ]
+    return out
+
+
+def generate_turns(
+    model: LocalModel, catalogue: RegistersConfig, prompts: list[EvalPrompt], max_new_tokens: int
+) -> list[GeneratedTurn]:
+    """Each prompt spoken through Ring A (compact DSL, the register's LoRA or, for the merged
+    register, the weights alone, the runtime's knobs, the schema's grammar), all submitted
+    together so that the engine batches them."""
+    from nimmer_train.voice.sampling import for_turn
+
+    speaking = {*model.registers, *([model.merged_register] if model.merged_register else [])}
+
+    def one(p: EvalPrompt) -> GeneratedTurn:
+        a = p.prompt.affect_state
+        knobs = for_turn(catalogue, p.register, p.prompt.trait_vector, a.arousal, a.valence)
+        knobs = dataclasses.replace(knobs, max_new_tokens=max_new_tokens)
+        adapter = p.register if p.register in speaking else None  # none speak: the bare weights
+        started = time.perf_counter()
+        try:
+            out = model.generate(render_compact(p.prompt), adapter, knobs, p.prompt.output_schema, p.seed)
+        except NimmerError as exc:
+            return GeneratedTurn(p.register, None, time.perf_counter() - started, str(exc))
+        return GeneratedTurn(p.register, out.text, out.seconds)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(prompts)))) as pool:
+        return list(pool.map(one, prompts))
+
+
+def voice_eval(
+    model: LocalModel,
+    cfg: VoiceEvalConfig,
+    catalogue: RegistersConfig,
+    composition: CompositionConfig,
+    heldout: Heldout,
+    evaluation: dict[str, Any] | None = None,
+    version: str | None = None,
+) -> VoiceReport:
+    """The voice report of ``model``: the registers it speaks (its LoRAs and the merged one; every
+    catalogue register on the bare weights when it has none) on ``heldout``'s scenes,
+    ``evaluation`` the register LoRAs' held-out evaluation summary whose headline rides along."""
+    started = time.perf_counter()
+    classifier = seed_classifier(Path(cfg.seed_set))
+    speaking = sorted({*model.registers, *([model.merged_register] if model.merged_register else [])})
+    registers = speaking or catalogue.names
+    prompts = eval_prompts(
+        catalogue, composition, registers, cfg.turns_per_register, cfg.seed, heldout.scenes
+    )
+    turns = generate_turns(model, catalogue, prompts, cfg.max_new_tokens)
+    settings = {
+        "ring": "ring A",
+        "turns_per_register": cfg.turns_per_register,
+        "max_new_tokens": cfg.max_new_tokens,
+        "seed": cfg.seed,
+        "adapters": {r: (r if r in model.registers else None) for r in registers},
+        "merged_register": model.merged_register,
+        "scenes": sorted({p.scene for p in prompts}),
+        "heldout_scenes": list(heldout.scenes),
+        "heldout_source": heldout.source,
+        "errors": sorted({t.error for t in turns if t.error}),
+    }
+    return score(
+        turns,
+        classifier,
+        version or model.label,
+        settings,
+        heldout_summary(evaluation),
+        time.perf_counter() - started,
+    )
