@@ -244,15 +244,17 @@ class PrivacySweepConfig:
     """The privacy-utility sweep (``python -m pipelines.privacy_sweep``): every (epsilon, N) cell
     runs the federation's mechanism in the simulator with ``rounds`` rounds and an expected
     cohort of ``cohort`` nodes (q = cohort / N), z calibrated so the T rounds spend epsilon at
-    ``delta``; epsilon inf is the non-private run (z = 0) on the same N, q and T. The local recipe
-    (C, lr, steps, batch) is the ``federated`` group's."""
+    ``delta``; epsilon inf is the non-private run (z = 0) on the same N, q and T. Each cell runs
+    ``seeds`` times (cohorts and noise; the table reports the mean share and its spread). The
+    local recipe (C, lr, steps, batch) is the ``federated`` group's."""
 
     epsilons: list[float] = field(default_factory=lambda: [1.0, 3.0, 8.0, float("inf")])
     populations: list[int] = field(default_factory=lambda: [1_000, 10_000, 100_000])
     delta: float = 1.0e-6
-    rounds: int = 20
-    cohort: int = 50  # expected contributors per round, q N (the same for every N)
+    rounds: int = 10
+    cohort: int = 100  # expected contributors per round, q N (the same for every N)
     seed: int = 0  # cohorts and noise of every cell of one N: paired comparisons across epsilon
+    seeds: int = 3  # runs per cell, generators (seed, N, k) for k < seeds: the share's mean and spread
     evaluate_every: int = 5  # held-out loss every k rounds (and after the last)
     goal_share: float = 0.9  # of the non-private held-out loss gain
     goal_cells: list[str] = field(default_factory=lambda: ["8@10000", "3@100000"])  # epsilon@N
@@ -268,3 +270,5 @@ class PrivacySweepConfig:
             raise ConfigError("privacy_sweep.delta", "must be in (0, 1)")
         if self.rounds < 1:
             raise ConfigError("privacy_sweep.rounds", "must be >= 1")
+        if self.seeds < 1:
+            raise ConfigError("privacy_sweep.seeds", "must be >= 1 (runs per cell)")

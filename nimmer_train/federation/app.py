@@ -20,7 +20,7 @@ from flwr.serverapp.grid import Grid
 
 from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.federation.client import Contributor, Node
-from nimmer_train.federation.mods import clip_mod, drill_mod, equal_weight_mod, validate_mod
+from nimmer_train.federation.mods import clip_mod, drill_mod, equal_weight_mod, refusal_mod, validate_mod
 
 if TYPE_CHECKING:  # the server side needs torch; a SuperNode's per-message processes should not
     from nimmer_train.federation.rounds import Report, ServerSetup, ServerState
@@ -36,7 +36,7 @@ def client_app(
 ) -> ClientApp:
     """A ClientApp whose updates are validated, turned into clipped contributions (update and A.1
     indicator), equally weighted, stripped of every plaintext metric but the A.2 step, and (by
-    default) masked.
+    default) masked; a device that takes no part answers with a one-line refusal.
 
     With ``secure_aggregation`` the client cannot send an unmasked update: a plain fit request
     fails in ``secaggplus_mod``. Only a simulation may turn it off.
@@ -53,6 +53,7 @@ def client_app(
         mods.insert(0, secaggplus_mod)
     if drills is not None:
         mods.insert(0, _drill_dispatch(drills))
+    mods.insert(0, refusal_mod)  # outermost: a refusal is an error reply, not a traceback
     return ClientApp(client_fn=client_fn, mods=mods)
 
 

@@ -14,10 +14,11 @@ and the server accepts no other.
 A device takes part only while its consent says A1_federated and is not revoked
 (``consent.takes_part``): otherwise it refuses the round (it trains nothing and sends no
 update, SecAgg+ recovers its masks, and it is not counted) and notes the refusal in its
-contributions log. After each round it trained in, it logs what left it (the masked update) and
-what it cost: its local record-level epsilon and the federation's user-level epsilon, computed
-from the mechanism the server announces in the fit config (:data:`A1_MECHANISM`) with the
-ledger's accountant (``privacy.accounting.epsilon``).
+contributions log; ``mods.refusal_mod`` turns the :class:`Refused` into an error reply that says
+only :data:`REFUSAL` and one log line, not a traceback. After each round it trained in, it logs
+what left it (the masked update) and what it cost: its local record-level epsilon and the
+federation's user-level epsilon, computed from the mechanism the server announces in the fit
+config (:data:`A1_MECHANISM`) with the ledger's accountant (``privacy.accounting.epsilon``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ POOL_ACCOUNTANT = "a2_accountant.json"  # beside the A.2 pool
 A1_MECHANISM = ("a1-noise-multiplier", "a1-sample-rate", "a1-released-rounds")
 REFUSAL = "this device takes no part in federated rounds"  # all a refusal tells the server
 LEFT_A1 = "only the update, clipped and masked by SecAgg+ (the server sees nothing but the sum)"
+
+
+class Refused(NimmerError):
+    """A device that takes no part refuses the round (its text is :data:`REFUSAL`, nothing more)."""
 
 
 @dataclass(frozen=True)
@@ -222,4 +227,4 @@ class Contributor(NumPyClient):
             )
             # Flower sends the exception's text to the server: the reason (the tier, when consent
             # was revoked) stays in the device's own log, the server learns only that it refused
-            raise NimmerError(REFUSAL)
+            raise Refused(REFUSAL)

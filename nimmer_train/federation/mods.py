@@ -1,6 +1,11 @@
 """Client-side Flower mods around the contributor's training, outermost first:
 
-``[secaggplus_mod, equal_weight_mod, clip_mod, validate_mod]``
+``[refusal_mod, secaggplus_mod, equal_weight_mod, clip_mod, validate_mod]``
+
+- ``refusal_mod`` answers a device's refusal (``client.Refused``: it takes no part) with an
+  error reply that says only ``client.REFUSAL`` and logs one line: the node drops out of the
+  round as a raised exception would make it, without a traceback in the node's or the
+  simulation's log;
 
 - ``validate_mod`` refuses to send an update that is not a finite float32 tensor list shaped like
   the global adapter the server sent (the reply becomes an error: the node drops out of the
@@ -25,14 +30,16 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-from flwr.app import Context, Message
+from flwr.app import Context, Error, Message
 from flwr.app.message_type import MessageType
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common import ndarray_to_bytes, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.constant import ErrorCode
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 from flwr.compat.common import recorddict_compat as compat
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
+from nimmer_train.federation.client import REFUSAL, Refused
 from nimmer_train.federation.wire import (
     A1_UPDATE,
     A2_METRICS,
@@ -45,6 +52,14 @@ from nimmer_train.federation.wire import (
 
 log = logging.getLogger(__name__)
 FIT = "fitres"
+
+
+def refusal_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+    try:
+        return call_next(msg, ctxt)
+    except Refused:
+        log.info("round %s: %s", msg.metadata.group_id or "?", REFUSAL)
+        return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, REFUSAL), reply_to=msg)
 
 
 def validate_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:

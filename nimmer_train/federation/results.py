@@ -34,6 +34,11 @@ ROUNDS = "rounds.json"
 CONTRIBUTED = "contributed_data.json"
 CARD = "data_card.md"
 NO_GUARANTEE = "no privacy guarantee (federated.no_privacy)"
+# Above this epsilon a published figure bounds nothing worth the name: "weak to no formal
+# guarantee" (tier 3 of Ponomareva et al. 2023, "How to DP-fy ML": epsilon <= 1 strong, <= 10
+# reasonable). The test preset ci_tiny (six contributors, z = 0.01: A.1 epsilon ~11,000) is such a
+# plumbing run; every card and print of such a figure says so beside it.
+MEANINGFUL_EPSILON = 10.0
 
 
 def epsilons(settings: FederatedConfig, state: ServerState) -> dict[str, float | None]:
@@ -44,6 +49,22 @@ def epsilons(settings: FederatedConfig, state: ServerState) -> dict[str, float |
     if not state.ledger:
         return {"a1_user_level": 0.0, "a2_record_level": 0.0}
     return Ledger.from_dict(state.ledger, settings.delta, None).spent()
+
+
+def caveat(epsilon: float | None) -> str | None:
+    """What to say beside a published epsilon above :data:`MEANINGFUL_EPSILON` (None: nothing)."""
+    if epsilon is None or epsilon <= MEANINGFUL_EPSILON:
+        return None
+    return (
+        f"NO MEANINGFUL GUARANTEE: epsilon {epsilon:,.0f} > {MEANINGFUL_EPSILON:g} bounds nothing "
+        "(a plumbing run, such as experiment=ci_tiny's six contributors; docs/privacy.md)"
+    )
+
+
+def caveats(eps: dict[str, float | None]) -> dict[str, str]:
+    """{epsilon key: caveat} for the published epsilons that need one (``epsilons``' keys)."""
+    found = {f"epsilon_{k}": caveat(v) for k, v in eps.items()}
+    return {k: v for k, v in found.items() if v}
 
 
 def mechanisms(settings: FederatedConfig, released_rounds: int) -> dict[str, str]:
@@ -120,7 +141,12 @@ def contributed_data(settings: FederatedConfig, state: ServerState) -> dict[str,
                 else "No exact count of anyone's data is published."
             )
         ),
-        "mechanisms": mechanisms(settings, len(accepted)),
+        # a caveat leads the text of an epsilon that bounds nothing: the model card quotes it
+        "mechanisms": {
+            k: f"{caveats(eps)[k]}. {text}" if k in caveats(eps) else text
+            for k, text in mechanisms(settings, len(accepted)).items()
+        },
+        "caveats": caveats(eps),
         "no_privacy": settings.no_privacy,
         "never_shared": sorted(NEVER_SHARED),
         "eligible_categories": [c for c in DATA_CATEGORIES if c not in NEVER_SHARED],
@@ -143,7 +169,9 @@ def contributed_data(settings: FederatedConfig, state: ServerState) -> dict[str,
 def _eps(value: float | None, no_privacy: bool) -> str:
     if no_privacy:
         return NO_GUARANTEE
-    return "unbounded (no guarantee)" if value is None else f"{value:.3f}"
+    if value is None:
+        return "unbounded (no guarantee)"
+    return f"{value:.3f}" + (" (no meaningful guarantee)" if caveat(value) else "")
 
 
 def render_card(fp: str, register: str, data: dict[str, Any]) -> str:
@@ -190,6 +218,8 @@ def render_card(fp: str, register: str, data: dict[str, Any]) -> str:
         lines.insert(
             4, "**No privacy guarantee**: this federation ran with federated.no_privacy; no epsilon."
         )
+    for text in data.get("caveats", {}).values():
+        lines.insert(4, f"**{text}**")
     return "\n".join(lines) + "\n"
 
 
@@ -250,6 +280,7 @@ def publish_federated(
         "epsilon_a2_record_level": a2["epsilon"],
         "delta": settings.delta,
         "mechanisms": data["mechanisms"],
+        "caveats": data["caveats"],  # epsilons above MEANINGFUL_EPSILON: what to say beside them
         # contributors_a1, uploads_a2: noised estimates, never exact (unless no_privacy set a noise to 0)
         "counts_noised": settings.noise_multiplier > 0 and settings.count_noise_multiplier > 0,
         "contributors_a1": a1["contributors_noised"],

@@ -269,6 +269,8 @@ def _log_federation(fed: dict[str, Any], out: Path, seconds: float) -> None:
     }
     mlflow.log_metrics({k: float(v) for k, v in figures.items() if v is not None})
     mlflow.set_tags({"federated_adapter": str(out), "stopped": str(fed["stopped"])})
+    if fed.get("caveats"):  # an epsilon above results.MEANINGFUL_EPSILON: said beside it
+        mlflow.set_tag("privacy_caveat", " | ".join(fed["caveats"].values()))
     for name in (results.ROUNDS, results.CONTRIBUTED, results.CARD):
         mlflow.log_artifact(str(out / name), "federation")
 
@@ -277,7 +279,10 @@ def _print_outcome(out: Path, fed: dict[str, Any], delta: float) -> None:
     after = fed["heldout_loss_after"]
 
     def eps(value: float | None) -> str:
-        return "none (no privacy guarantee)" if value is None else f"{value:.3f}"
+        if value is None:
+            return "none (no privacy guarantee)"
+        plumbing = " (NO MEANINGFUL GUARANTEE: a plumbing run)" if results.caveat(value) else ""
+        return f"{value:.3f}{plumbing}"
 
     print(
         f"federated adapter: {out} ({fed['rounds']} rounds, stopped: {fed['stopped']}); held-out loss "

@@ -5,12 +5,17 @@ on a population of N contributors (N - 1 seeded A.1 players and the A.2 node, as
 them), with the same rounds T and the same expected cohort q N for every N; the noise multiplier
 z is calibrated so that the T rounds spend exactly the cell's epsilon at delta (Opacus RDP,
 :func:`noise_multiplier_for`); epsilon inf is the non-private run (z = 0) on the same N, q and T.
-Every cell of one N draws its cohorts and noise from the same seed, so the cells of a row see the
-same cohorts (paired comparisons). Utility is the held-out loss gain (loss before - after); a
-cell's share is its gain over the non-private gain of its N.
 
-Resumable: each cell writes ``result.json`` when done (a rerun skips it) and checkpoints every
-round (a killed cell resumes after its last released round, never spending a round twice).
+Each cell runs ``seeds`` times. Seed k of every cell of one N draws its cohorts and noise from
+the same generator ``(seed, N, k)``, so the cells of a row see the same cohorts (paired
+comparisons); the population and the held-out set stay the same across seeds. Utility is the
+held-out loss gain (loss before - after); a run's share is its gain over the non-private gain of
+the same N and seed, and a cell reports the mean share over its seeds with the spread (sd, min
+and max). The goals are judged on the mean.
+
+Resumable per (cell, seed): each run writes ``result.json`` when done (a rerun skips it) and
+checkpoints every round (a killed run resumes after its last released round, never spending a
+round twice).
 """
 
 from __future__ import annotations
@@ -74,10 +79,15 @@ def cell_settings(base: FederatedConfig, sweep: PrivacySweepConfig, cell: Cell) 
 
 
 def run_cell(
-    simulator: Simulator, settings: FederatedConfig, cell: Cell, root: Path, sweep: PrivacySweepConfig
+    simulator: Simulator,
+    settings: FederatedConfig,
+    cell: Cell,
+    root: Path,
+    sweep: PrivacySweepConfig,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """One cell's row (read from ``result.json`` when the cell is done)."""
-    work = root / cell.name
+    """One run of a cell, seed ``seed`` (read from ``result.json`` when the run is done)."""
+    work = root / cell.name / f"seed{seed}"
     done = work / RESULT
     if done.exists():
         return json.loads(done.read_text())
@@ -85,7 +95,7 @@ def run_cell(
     state = simulator.run(
         settings,
         work,
-        np.random.default_rng([sweep.seed, cell.population]),
+        np.random.default_rng([sweep.seed, cell.population, seed]),
         evaluate_every=sweep.evaluate_every,
     )
     released = [r for r in state.records if r.get("accepted")]
@@ -93,6 +103,7 @@ def run_cell(
     row = {
         "epsilon": None if math.isinf(cell.epsilon) else cell.epsilon,
         "population": cell.population,
+        "seed": seed,
         "sample_rate": settings.fraction_fit,
         "expected_cohort": settings.fraction_fit * settings.nodes(),
         "noise_multiplier": settings.noise_multiplier,
@@ -124,9 +135,10 @@ def run_sweep(
     embedder: Embedder,
     log: Log | None = None,
 ) -> list[dict[str, Any]]:
-    """Every cell, row by row (one population per N, shared by its epsilons); the rows with
-    their ``share`` of the non-private gain of their N."""
-    rows: list[dict[str, Any]] = []
+    """Every cell ``sweep.seeds`` times, row by row (one population per N, shared by its
+    epsilons and seeds, seed by seed so that a row's shares come early); one summary per cell
+    (:func:`summarise`)."""
+    runs: list[dict[str, Any]] = []
     simulator: Simulator | None = None
     for n in sweep.populations:
         cells = [Cell(e, n) for e in sweep.epsilons]
@@ -137,27 +149,71 @@ def run_sweep(
         if simulator is None:
             simulator = Simulator.load(base_dir, adapter_dir, population, first)
         simulator = dataclasses.replace(simulator, population=population)
-        for cell in cells:
-            row = run_cell(simulator, cell_settings(base, sweep, cell), cell, root, sweep)
-            rows.append(row)
-            if log:
-                log(row)
-    return with_shares(rows)
+        for seed in range(sweep.seeds):
+            for cell in cells:
+                run = run_cell(simulator, cell_settings(base, sweep, cell), cell, root, sweep, seed)
+                runs.append(run)
+                if log:
+                    log(run)
+    return summarise(runs)
 
 
-def with_shares(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row's gain as a share of the non-private gain on the same N (None without one)."""
-    reference = {r["population"]: r["gain"] for r in rows if r["epsilon"] is None}
-    out = []
-    for r in rows:
-        ref = reference.get(r["population"])
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per cell (in the runs' first order): the mechanism, the mean held-out losses and
+    gain, and the share of the non-private gain (each run's gain over the non-private run of the
+    same N and seed; None where that gain is not positive): ``share`` the mean over the seeds
+    that have one, ``share_sd`` (sample sd; 0 for one seed), ``share_min``, ``share_max``; the
+    runs themselves under ``runs``."""
+    reference = {(r["population"], r["seed"]): r["gain"] for r in runs if r["epsilon"] is None}
+    cells: dict[tuple[float | None, int], list[dict[str, Any]]] = {}
+    for r in runs:
+        ref = reference.get((r["population"], r["seed"]))
         share = r["gain"] / ref if ref and ref > 0 else None
-        out.append({**r, "share": share})
-    return out
+        cells.setdefault((r["epsilon"], r["population"]), []).append({**r, "share": share})
+    rows = []
+    for group in cells.values():
+        shares = [r["share"] for r in group if r["share"] is not None]
+        gains = [r["gain"] for r in group]
+        mechanism = {k: group[0][k] for k in MECHANISM}
+        spent = [r["epsilon_spent"] for r in group if r["epsilon_spent"] is not None]
+        mechanism["epsilon_spent"] = max(spent) if spent else None  # a seed may release fewer rounds
+        rows.append(
+            {
+                **mechanism,
+                "seeds": len(group),
+                "heldout_loss_before": float(np.mean([r["heldout_loss_before"] for r in group])),
+                "heldout_loss_after": float(np.mean([r["heldout_loss_after"] for r in group])),
+                "gain": float(np.mean(gains)),
+                "gain_sd": _sd(gains),
+                "share": float(np.mean(shares)) if shares else None,
+                "share_sd": _sd(shares) if shares else None,
+                "share_min": min(shares) if shares else None,
+                "share_max": max(shares) if shares else None,
+                "seconds": sum(r["seconds"] for r in group),
+                "runs": group,
+            }
+        )
+    return rows
+
+
+MECHANISM = (
+    "epsilon",
+    "population",
+    "sample_rate",
+    "expected_cohort",
+    "noise_multiplier",
+    "noise_std_over_clip",
+    "rounds",
+    "delta",
+)
+
+
+def _sd(values: list[float]) -> float:
+    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
 
 def goal_met(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> dict[str, bool | None]:
-    """Each goal cell ("8@10000"): its share >= goal_share (None when the cell was not run)."""
+    """Each goal cell ("8@10000"): its mean share >= goal_share (None when the cell was not run)."""
     out: dict[str, bool | None] = {}
     for spec in sweep.goal_cells:
         eps, n = spec.split("@")
@@ -167,37 +223,40 @@ def goal_met(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> dict[str,
 
 
 def table(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> str:
-    """The privacy-utility table as Markdown: one line per cell, goals marked."""
+    """The privacy-utility table as Markdown: one line per cell (means over its seeds, the share's
+    sd and range), goals marked on the mean."""
     goals = {tuple(g.split("@")) for g in sweep.goal_cells}
     lines = [
-        f"| epsilon (delta={sweep.delta:g}) | N | q | z | z/(qN) | held-out loss before -> after | gain | "
-        f"share of non-private gain | seconds |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| epsilon (delta={sweep.delta:g}) | N | q | z | z/(qN) | held-out loss before -> after (mean) | "
+        "gain (mean ± sd) | share of non-private gain: mean ± sd [min, max] | seeds | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         eps = "inf (no DP)" if r["epsilon"] is None else f"{r['epsilon']:g}"
-        share = "—" if r["share"] is None else f"{100 * r['share']:.1f} %"
-        if (
-            r["epsilon"] is not None
-            and (f"{r['epsilon']:g}", str(r["population"])) in goals
-            and r["share"] is not None
-        ):
-            share += (
-                " (goal met)"
-                if r["share"] >= sweep.goal_share
-                else f" (goal {100 * sweep.goal_share:.0f} % NOT met)"
+        seeds = r["seeds"]
+        share = "—"
+        if r["share"] is not None:
+            share = (
+                f"{100 * r['share']:.1f} % ± {100 * r['share_sd']:.1f} "
+                f"[{100 * r['share_min']:.1f}, {100 * r['share_max']:.1f}]"
             )
+            if r["epsilon"] is not None and (f"{r['epsilon']:g}", str(r["population"])) in goals:
+                verdict = (
+                    "met" if r["share"] >= sweep.goal_share else f"{100 * sweep.goal_share:.0f} % NOT met"
+                )
+                share += f" (goal {verdict}, mean of {seeds} seed{'s' if seeds != 1 else ''})"
         lines.append(
             f"| {eps} | {r['population']:,} | {r['sample_rate']:.2g} | {r['noise_multiplier']:.3f} | "
             f"{r['noise_std_over_clip']:.2e} | "
             f"{r['heldout_loss_before']:.4f} -> {r['heldout_loss_after']:.4f} | "
-            f"{r['gain']:.4f} | {share} | {r['seconds']:.0f} |"
+            f"{r['gain']:.4f} ± {r['gain_sd']:.4f} | {share} | {seeds} | {r['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Share of the non-private gain against epsilon, one line per N (PNG)."""
+    """Mean share of the non-private gain against epsilon, one line per N, the seeds' range as
+    error bars (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -206,17 +265,24 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for n in sorted({r["population"] for r in rows}):
         points = sorted(
-            (r["epsilon"], r["share"])
+            (r["epsilon"], 100 * r["share"], 100 * r["share_min"], 100 * r["share_max"])
             for r in rows
             if r["population"] == n and r["epsilon"] is not None and r["share"] is not None
         )
         if points:
-            ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", label=f"N = {n:,}")
+            eps, mean, low, high = (list(column) for column in zip(*points, strict=True))
+            below = [m - lo for m, lo in zip(mean, low, strict=True)]
+            above = [hi - m for m, hi in zip(mean, high, strict=True)]
+            ax.errorbar(eps, mean, yerr=[below, above], marker="o", capsize=3, label=f"N = {n:,}")
     ax.axhline(90, color="grey", linestyle="--", linewidth=1, label="goal: 90 %")
     ax.set_xscale("log")
+    ticks = sorted({r["epsilon"] for r in rows if r["epsilon"] is not None})
+    ax.set_xticks(ticks, [f"{e:g}" for e in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("user-level epsilon (delta = 1e-6)")
+    seeds = max((r["seeds"] for r in rows), default=1)
     ax.set_ylabel("% of the non-private held-out loss gain")
-    ax.set_title("DP-FedAvg: privacy-utility (same N, q, T)")
+    ax.set_title(f"DP-FedAvg: privacy-utility (same N, q, T; mean, range of {seeds} seeds)")
     ax.legend()
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
@@ -227,8 +293,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any]]:
     """The sweep of ``cfg.privacy_sweep`` on the base and adapter the federate stage would use,
-    tracked in MLflow (one metric step per cell, the table, its JSON and the plot as artifacts);
-    outputs under ``<workdir>/privacy_sweep/<fingerprint>/``."""
+    tracked in MLflow (each run's gain, z and seconds, each cell's mean share and its sd, the
+    table, its JSON and the plot as artifacts); outputs under
+    ``<workdir>/privacy_sweep/<fingerprint>/`` (the fingerprint leaves out ``seeds``: a rerun with
+    more seeds adds runs beside the finished ones)."""
     import mlflow
 
     from nimmer_train import tracking
@@ -239,10 +307,15 @@ def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any
     base_dir, adapter_dir, register = locate(cfg, None)
     fp = fingerprint(
         {
-            "version": 1,
+            "version": 2,  # 2: a folder per (cell, seed)
             "adapter": read_manifest(adapter_dir)["fingerprint"],
             "federated": dataclasses.asdict(cfg.federated),
-            "sweep": {k: v for k, v in dataclasses.asdict(cfg.privacy_sweep).items() if k != "goal_cells"},
+            # more seeds extend a sweep: its finished (cell, seed) runs stay where they are
+            "sweep": {
+                k: v
+                for k, v in dataclasses.asdict(cfg.privacy_sweep).items()
+                if k not in ("goal_cells", "goal_share", "seeds")
+            },
         }
     )
     root = Path(cfg.paths.workdir).resolve() / "privacy_sweep" / fp[:12]
@@ -258,15 +331,15 @@ def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any
         def log(row: dict[str, Any]) -> None:
             eps = "inf" if row["epsilon"] is None else f"{row['epsilon']:g}"
             print(
-                f"cell epsilon={eps} N={row['population']}: z={row['noise_multiplier']:.3f}, held-out "
-                f"loss {row['heldout_loss_before']:.4f} -> {row['heldout_loss_after']:.4f} "
-                f"({row['seconds']:.0f} s)",
+                f"cell epsilon={eps} N={row['population']} seed {row['seed']}: "
+                f"z={row['noise_multiplier']:.3f}, held-out loss {row['heldout_loss_before']:.4f} -> "
+                f"{row['heldout_loss_after']:.4f} ({row['seconds']:.0f} s)",
                 flush=True,
             )
             if run_id:
                 mlflow.log_metrics(
                     {
-                        f"{k}_eps{eps}_N{row['population']}": float(row[k])
+                        f"{k}_eps{eps}_N{row['population']}_seed{row['seed']}": float(row[k])
                         for k in ("gain", "seconds", "noise_multiplier")
                     }
                 )
@@ -279,10 +352,11 @@ def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any
         if run_id:
             for r in rows:
                 if r["share"] is not None and r["epsilon"] is not None:
-                    mlflow.log_metric(f"share_eps{r['epsilon']:g}_N{r['population']}", r["share"])
+                    name = f"eps{r['epsilon']:g}_N{r['population']}"
+                    mlflow.log_metrics({f"share_{name}": r["share"], f"share_sd_{name}": r["share_sd"]})
             for name in (TABLE, PLOT, "privacy_utility.json"):
                 mlflow.log_artifact(str(root / name), "privacy_sweep")
     print(table(rows, sweep))
-    print(f"goals (share >= {100 * sweep.goal_share:.0f} %): {goals}")
+    print(f"goals (mean share over {sweep.seeds} seeds >= {100 * sweep.goal_share:.0f} %): {goals}")
     print(f"outputs: {root}")
     return rows
