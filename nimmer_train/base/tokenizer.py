@@ -73,6 +73,55 @@ def _batches(texts: Iterable[str], size: int = 256) -> Iterator[list[str]]:
 _PROBE = "nimmerprobe"
 
 
+_PROBES = (  # what the pipeline renders: a system prompt, turns, replies, the generation prompt
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
+    [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "A"},
+    ],
+    [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "V"},
+        {"role": "assistant", "content": "B"},
+    ],
+)
+
+
+def training_template(tokenizer: PreTrainedTokenizerBase) -> str:
+    """``tokenizer``'s chat template as TRL's assistant-only loss needs it (``{% generation %}``
+    around assistant content). A template that has the markers is returned as it is; a ChatML one
+    without them (SmolLM2's, Qwen's) is replaced by :data:`CHAT_TEMPLATE` when the two render
+    every system-led conversation identically (what the prompt DSL sends; a conversation without
+    a system message then gets no default one). Anything else: a NimmerError naming the fix."""
+    from nimmer_train.errors import NimmerError
+
+    template = tokenizer.chat_template or ""
+    if "{% generation %}" in template or "{%- generation %}" in template:
+        return template
+    vocab = tokenizer.get_vocab()
+    if IM_START in vocab and IM_END in vocab:
+        same = all(
+            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=g)
+            == tokenizer.apply_chat_template(
+                c, tokenize=False, add_generation_prompt=g, chat_template=CHAT_TEMPLATE
+            )
+            for c in _PROBES
+            for g in (False, True)
+            if not (g and c[-1]["role"] == "assistant")
+        )
+        if same:
+            return CHAT_TEMPLATE
+    raise NimmerError(
+        f"{tokenizer.name_or_path}: its chat template has no {{% generation %}} markers around the "
+        "assistant's content, which the register LoRAs' assistant-only loss needs, and it is not "
+        "ChatML; add the markers to tokenizer_config.json's chat_template (see CHAT_TEMPLATE in "
+        "nimmer_train/base/tokenizer.py)"
+    )
+
+
 def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The ids that end an assistant turn, for every decoder to stop at: the chat template's
     end-of-turn token (the special token right after an assistant message's content:

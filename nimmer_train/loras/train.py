@@ -34,6 +34,7 @@ from nimmer_train.artifacts import (
     write_json_atomic,
     write_manifest,
 )
+from nimmer_train.base.tokenizer import training_template
 from nimmer_train.config import LoraConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import METADATA
@@ -144,6 +145,7 @@ def train_adapter(
 ) -> tuple[Any, dict[str, float]]:
     """Train one LoRA (resuming from ``work``'s latest checkpoint); return (peft model, metrics)."""
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    tokenizer.chat_template = training_template(tokenizer)  # a pretrained ChatML one gets the markers
     model = _load_for_training(base_dir, settings)
     trainer = _sft_trainer(model, tokenizer, data, settings, target_modules, work, log_fn)
     resume = latest_complete_checkpoint(work / "checkpoints")
