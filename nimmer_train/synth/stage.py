@@ -36,8 +36,9 @@ def synthesize_stage(cfg: Config, pipeline: str = "synthesize") -> SynthResult:
                 **{f"rejected_{k}": v for k, v in stats["rejections"].items()},
                 **{f"r1_{k}": v["r1"] for k, v in stats["per_register"].items()},
             }
-            if stats["register_accuracy"] is not None:
-                metrics["register_accuracy"] = stats["register_accuracy"]
+            for key in ("register_accuracy", "completion_tokens_per_s"):
+                if stats.get(key) is not None:
+                    metrics[key] = stats[key]
             mlflow.log_metrics(metrics)
             mlflow.set_tags(
                 {
@@ -58,6 +59,7 @@ def synthesize_stage(cfg: Config, pipeline: str = "synthesize") -> SynthResult:
     s = result.stats
     print(
         f"synthetic: {result.path} ({'reused' if result.reused else 'built'}); r0 {s['r0']}, "
-        f"r1 {s['r1']}; rejected {s['rejections']}"
+        f"r1 {s['r1']}; rejected {s['rejections']}; {s['requested']} requested, {s['cached']} from cache"
+        + (f" ({s['completion_tokens_per_s']:.1f} tokens/s)" if s.get("completion_tokens_per_s") else "")
     )
     return result

@@ -43,6 +43,7 @@ from nimmer_train.corpus import data_card
 from nimmer_train.errors import NimmerError
 from nimmer_train.synth.curation import curate, register_accuracy, rejection_counts
 from nimmer_train.synth.teacher import ResponseCache, make_teacher, run_requests
+from nimmer_train.synth.teacher.checkpoint import resolve_teacher
 from nimmer_train.voice.composition import CompositionConfig, GenerationRequest, expand
 from nimmer_train.voice.prompt_dsl import render_compact, render_reply
 from nimmer_train.voice.registers import RegistersConfig
@@ -148,7 +149,7 @@ def synthesize(
         return found
 
     requests = expand(spec, catalogue)
-    teacher = make_teacher(teacher_cfg)
+    teacher = make_teacher(resolve_teacher(teacher_cfg, artifacts))
     cache = ResponseCache(Path(teacher_cfg.cache))
     started = time.time()
     records: list[dict[str, Any]] = []
@@ -314,6 +315,7 @@ def _stats(records: list[dict], kept: list[dict], cfg: TeacherConfig, model: str
         },
         "dropped_knobs": sorted({k for r in records for k in r["dropped_knobs"]}),
         "wall_s": wall_s,
+        "completion_tokens_per_s": fresh_completion / wall_s if fresh and wall_s > 0 else None,
     }
 
 

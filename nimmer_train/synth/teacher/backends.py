@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -178,10 +179,37 @@ class Replay:
         return out
 
 
+class BatchSchemaMask:
+    """One :class:`~nimmer_train.runtime.structured.RowGrammar` per row of a batched HF
+    ``generate``: each row may only continue a reply valid under its turn's output_schema (in the
+    training format, closing within the budget); a row that has ended its turn is left alone."""
+
+    def __init__(self, grammars: list[Any], prompt_width: int, stop_ids: list[int]) -> None:
+        self.grammars, self.width, self.stop = grammars, prompt_width, set(stop_ids)
+        self.done = [False] * len(grammars)
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        generated = input_ids.shape[1] - self.width
+        for row, grammar in enumerate(self.grammars):
+            if self.done[row]:
+                continue
+            if generated > 0:
+                token = int(input_ids[row, -1])
+                if token in self.stop:
+                    self.done[row] = True
+                    continue
+                grammar.consume(token)
+            allowed = grammar.allowed(generated, scores.shape[-1]).to(scores.device)
+            scores[row] = scores[row].masked_fill(~allowed, float("-inf"))
+        return scores
+
+
 class HFLocal:
-    """A local transformers causal LM, batched generation with per-request sampling knobs
-    (the repetition penalty on generated tokens only), stopping at the chat template's
-    end-of-turn token."""
+    """A local transformers causal LM: the composition's prompts through its chat template,
+    batched generation (left-padded) with per-request sampling knobs (the repetition penalty on
+    generated tokens only), stopping at the end-of-turn token. With ``json_mode`` each reply is
+    constrained to its turn's output_schema, as the runtime does (a small instruct model rarely
+    writes the JSON on its own)."""
 
     backend = "hf_local"
     concurrency = 1
@@ -190,20 +218,51 @@ class HFLocal:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from nimmer_train.runtime.structured import chars_per_token
+
         path = Path(str(cfg.model_path))
         if not (path / "config.json").exists():
             raise NimmerError(f"teacher.model_path {path} is not a transformers model folder")
         self.cfg, self.batch_size = cfg, cfg.batch_size
         self.model = cfg.model if cfg.model != "unknown" else path.name
         self.tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+        if not self.tokenizer.chat_template:
+            raise NimmerError(
+                f"teacher.model_path {path}: its tokenizer has no chat template; use an instruct/chat model"
+            )
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.lm = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
         self.stop_ids = end_of_turn_ids(self.tokenizer)
+        self.n_vocab = self.lm.get_output_embeddings().weight.shape[0]
+        self.density = chars_per_token(self.tokenizer)
         self.torch = torch
 
+    def _mask(self, batch: list[GenerationRequest], width: int) -> list[Any]:
+        """The schema mask for ``batch`` (first, so that the knobs act on allowed tokens only)."""
+        if not self.cfg.json_mode:
+            return []
+        from nimmer_train.runtime.structured import RowGrammar, bounded
+
+        def count(text: str) -> int:
+            return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        budget = self.cfg.max_new_tokens
+        grammars = [
+            RowGrammar(
+                self.tokenizer,
+                bounded(r.prompt.output_schema, budget, self.density, count),
+                self.n_vocab,
+                budget,
+            )
+            for r in batch
+        ]
+        return [BatchSchemaMask(grammars, width, self.stop_ids)]
+
     def generate(self, batch: list[GenerationRequest]) -> list[TeacherReply]:
+        from transformers import LogitsProcessorList
+
         replies: dict[int, TeacherReply] = {}
         by_knobs: dict[Any, list[int]] = {}
         for i, request in enumerate(batch):
@@ -218,22 +277,25 @@ class HFLocal:
             enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             enc = enc.to(self.lm.device)
             width = enc["input_ids"].shape[1]  # every prompt, left-padded to the same width
+            processors = [*self._mask([batch[i] for i in indices], width), *knob_processors(knobs, width)]
             self.torch.manual_seed(int(batch[indices[0]].key[:8], 16))
+            started = time.perf_counter()
             with self.torch.no_grad():
                 out = self.lm.generate(
                     **enc,
                     **NEUTRAL_WARPERS,
-                    logits_processor=knob_processors(knobs, width),
+                    logits_processor=LogitsProcessorList(processors),
                     max_new_tokens=self.cfg.max_new_tokens,
                     pad_token_id=self.tokenizer.pad_token_id,
                     eos_token_id=self.stop_ids,
                 )
+            seconds = time.perf_counter() - started  # each row's latency: its whole generate call
             for row, i in enumerate(indices):
                 new = out[row, width:]
                 prompt_len = int(enc["attention_mask"][row].sum())
                 text = self.tokenizer.decode(new, skip_special_tokens=True)
                 done = int((new != self.tokenizer.pad_token_id).sum())
-                replies[i] = TeacherReply(text, prompt_len, done)
+                replies[i] = TeacherReply(text, prompt_len, done, seconds)
         return [replies[i] for i in range(len(batch))]
 
 
