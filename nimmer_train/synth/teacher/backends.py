@@ -225,6 +225,7 @@ class HFLocal:
             raise NimmerError(f"teacher.model_path {path} is not a transformers model folder")
         self.cfg, self.batch_size = cfg, cfg.batch_size
         self.model = cfg.model if cfg.model != "unknown" else path.name
+        self.variant = f"|json_mode={cfg.json_mode}|max_new_tokens={cfg.max_new_tokens}"
         self.tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
         if not self.tokenizer.chat_template:
             raise NimmerError(

@@ -41,5 +41,7 @@ class Teacher(Protocol):
     model: str
     batch_size: int  # requests per generate() call
     concurrency: int  # generate() calls in flight at once
+    # optional ``variant: str``: backend settings that change a reply beyond the request (the
+    # reply cache keys on model + variant, so a reply made under other settings is not reused)
 
     def generate(self, batch: list[GenerationRequest]) -> list[TeacherReply]: ...

@@ -32,8 +32,9 @@ def run_requests(
     failures: Counter[str] = Counter()
     arrived = 0
     pending = []
+    cached_as = teacher.model + getattr(teacher, "variant", "")  # + settings that change a reply
     for request in requests:
-        hit = cache.get(teacher.backend, teacher.model, request.key)
+        hit = cache.get(teacher.backend, cached_as, request.key)
         if hit is not None:
             yield request, hit, True
         else:
@@ -63,7 +64,7 @@ def run_requests(
                     batch = running.pop(future)
                     for request, reply in zip(batch, future.result(), strict=True):
                         if reply.error is None:
-                            cache.put(teacher.backend, teacher.model, request.key, reply)
+                            cache.put(teacher.backend, cached_as, request.key, reply)
                             arrived += 1
                         elif transport_failed(reply):
                             failures[reply.error] += 1

@@ -136,6 +136,25 @@ def test_a_generation_stopped_midway_resumes_from_its_cache(tiny_folder: Path, t
     assert sorted(asked) == sorted(r.key for r in batch if r.key not in done) and len(cache) == len(batch)
 
 
+def test_replies_made_under_other_generation_settings_are_not_reused(
+    tiny_folder: Path, tmp_path: Path
+) -> None:
+    # the cache keyed on backend, model and request only: a reply written without the schema mask
+    # (or with a shorter budget) was served again after json_mode or max_new_tokens changed
+    batch = expand(
+        composition("composition.registers=[drunk-scavenger]", "composition.per_register=2"), load_catalogue()
+    )
+    cfg = TeacherConfig(
+        backend="hf_local", model_path=str(tiny_folder), max_new_tokens=8, cache=str(tmp_path / "c.sqlite")
+    )
+    cache = ResponseCache(Path(cfg.cache))
+    free = make_teacher(TeacherConfig(**{**cfg.__dict__, "json_mode": False}))
+    assert all(not cached for _, _, cached in run_requests(batch, free, cache))
+    masked = make_teacher(cfg)
+    assert all(not cached for _, _, cached in run_requests(batch, masked, cache))  # asked again
+    assert all(cached for _, _, cached in run_requests(batch, masked, cache))  # and then cached
+
+
 def test_a_tokenizer_without_a_chat_template_is_refused(tiny_folder: Path, tmp_path: Path) -> None:
     folder = tmp_path / "no-template"
     folder.mkdir()
