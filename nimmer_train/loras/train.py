@@ -250,9 +250,17 @@ def latest_complete_checkpoint(folder: Path) -> Path | None:
 def encode(
     tokenizer: PreTrainedTokenizerBase, conversation: Conversation, max_length: int
 ) -> dict[str, list[int]]:
-    """Token ids and labels with the loss on assistant turns only (as in training)."""
+    """Token ids and labels with the loss on assistant turns only (as in training; a pretrained
+    ChatML template gets the generation markers it needs: :func:`training_template`)."""
+    template = tokenizer.chat_template or ""
+    if "generation %}" not in template:
+        template = training_template(tokenizer)
     enc = tokenizer.apply_chat_template(
-        conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        conversation,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+        chat_template=template,
     )
     ids, mask = enc["input_ids"][:max_length], enc["assistant_masks"][:max_length]
     return {"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask, strict=True)]}

@@ -46,3 +46,13 @@ def test_a_template_with_markers_is_kept_and_one_that_is_neither_is_refused(toke
     tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\\n{% endfor %}"
     with pytest.raises(NimmerError, match="generation %}} markers|generation %} markers"):
         training_template(tokenizer)
+
+
+def test_the_register_lora_encoding_labels_only_the_reply_under_a_chatml_template(tokenizer) -> None:
+    from nimmer_train.loras.train import encode
+
+    tokenizer.chat_template = SMOLLM2  # as converted from the GGUF: no markers
+    enc = encode(tokenizer, TURN, 256)
+    labelled = tokenizer.decode([t for t in enc["labels"] if t != -100])
+    assert labelled == '{"utterance": "Left, past the drain."}<|im_end|>'
+    assert tokenizer.chat_template == SMOLLM2  # the serving template itself is left as it is
