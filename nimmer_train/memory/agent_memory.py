@@ -40,7 +40,7 @@ from nimmer_train.memory.crystals import (
 )
 from nimmer_train.memory.embedding import Embedder
 from nimmer_train.memory.importance import ImportancePolicy, importance, never_decays
-from nimmer_train.memory.player_memory import Mode, PlayerMemory
+from nimmer_train.memory.player_memory import Mode, PlayerMemory, as_mode
 from nimmer_train.memory.search import (
     GONE,
     LIVE,
@@ -100,8 +100,8 @@ class AgentMemory:
     def db(self, store: str) -> apsw.Connection:
         return self.memory._store(store)
 
-    def stores(self, mode: Mode) -> list[str]:
-        return ["primary", "clasp"] if mode is Mode.IN_BETWEEN else ["primary"]
+    def stores(self, mode: Mode | str) -> list[str]:
+        return ["primary", "clasp"] if as_mode(mode) is Mode.IN_BETWEEN else ["primary"]
 
     def existing_stores(self) -> list[str]:
         """primary, and the clasp store when this agent has one (consolidation tends both)."""
@@ -125,6 +125,7 @@ class AgentMemory:
         self, specs: Sequence[CrystalSpec], mode: Mode = Mode.REALWORLD, vectors: np.ndarray | None = None
     ) -> list[int]:
         """Store new crystals (embedded in one batch) in one transaction; returns their entry ids."""
+        mode = as_mode(mode)  # "in_between" and Mode.IN_BETWEEN both write clasp
         if not specs:
             return []
         for spec in specs:
@@ -249,6 +250,7 @@ class AgentMemory:
             raise NimmerError("query: empty; say what to search for")
         if max_results < 1:
             raise NimmerError(f"maxResults: {max_results} must be at least 1")
+        mode = as_mode(mode)
         w = self.weights
         q = self.embedder.embed([query])[0] if vector is None else vector
         now = self.clock()
@@ -393,6 +395,7 @@ class AgentMemory:
         REALWORLD: appended to memory/scratch.md and ingested from there (the file stays the
         source of truth). IN_BETWEEN: a clasp crystal only; no file and nothing in primary.
         """
+        mode = as_mode(mode)
         if kind not in NOTE_TYPES:
             raise NimmerError(f"type: {kind!r} is not one of {', '.join(NOTE_TYPES)}")
         if not 0 <= importance_ <= 1:

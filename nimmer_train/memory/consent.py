@@ -4,7 +4,11 @@ that yields what a contributor may share for training.
 Rules of :func:`training_examples`: nothing under opt_out, after revocation, or for a tier other
 than the one consented to; only categories the player shared and did not exclude; never the
 clasp channel (it reads primary.sqlite only, and drops the clasp category there too); never
-the player's id or name (redacted from text and speaker).
+the player's id or name (redacted from text and speaker); never an entry whose text holds
+several speakers' words (an episode crystal of a transcribed exchange, speaker
+:data:`~nimmer_train.memory.crystals.EXCHANGE_SPEAKER`): an example is one speaker's words, and
+an episode's NPC reply must not leave as the player's (the NPC line is shared, if at all, as its
+own write-back entry, under the NPC's name).
 
 The ``nimmer consent`` commands change the record through :func:`grant`, :func:`revoke` and
 :func:`exclude`; a training tier needs the device's profile (:data:`PROFILE_FILE`), so granting
@@ -25,6 +29,7 @@ from pathlib import Path
 from nimmer_train.artifacts import write_json_atomic
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory import contributions
+from nimmer_train.memory.crystals import EXCHANGE_SPEAKER
 from nimmer_train.memory.entries import DATA_CATEGORIES
 from nimmer_train.memory.player_memory import PlayerMemory
 from nimmer_train.privacy.anonymize import Upload, anonymize
@@ -177,7 +182,7 @@ def _shareable(
     }
     out = []
     for entry in memory.entries(categories=sorted(allowed)):
-        if entry.event_uid in gone:
+        if entry.event_uid in gone or entry.speaker == EXCHANGE_SPEAKER:
             continue
         text, speaker = _fold(entry.text), _fold(entry.speaker)
         speaker = PLAYER if pattern.fullmatch(speaker) else speaker

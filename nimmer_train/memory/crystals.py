@@ -30,6 +30,9 @@ from nimmer_train.errors import NimmerError
 LIFECYCLES = ("generated", "activated", "consolidated", "archived", "expired", "frozen")
 ORIGINS = ("file", "transcript", "skill", "note", "dream")
 LIFESPANS = ("permanent", "ttl", "decay")
+# The speaker of an episode whose text holds several speakers' lines (a player line and an NPC
+# reply): no one person said it, so consent's training export never shares it as anyone's words.
+EXCHANGE_SPEAKER = "exchange"
 ACTIVE = ("generated", "activated", "consolidated")  # what consolidation rescores and merges
 SEARCHABLE = ("generated", "activated", "consolidated", "frozen")
 EDGES: dict[str, frozenset[str]] = {

@@ -9,7 +9,10 @@
   names the file. A file that changes while it is read is read again until it holds still.
 - ``skills/**.md``: the same chunks, as frozen crystals (never decayed).
 - Transcripts: :class:`TranscriptIndexer` turns each exchange into an episode crystal on a
-  background thread (speaker, session id, turn ids, timestamp), so a turn never waits for it.
+  background thread (speaker, session id, turn ids, timestamp), so a turn never waits for it;
+  an exchange over the entry limit is split into parts that say so, a failed batch is retried
+  one exchange at a time (transient faults with a short backoff), and only what still fails is
+  dropped, with a log line naming it and why.
 - :class:`WorkspaceWatcher` runs ingestion on every change that ``watchfiles`` reports.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterable
@@ -25,9 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from nimmer_train.errors import NimmerError
 from nimmer_train.memory.agent_memory import SCRATCH, AgentMemory, note_spec
-from nimmer_train.memory.crystals import CrystalSpec, content_hash
-from nimmer_train.memory.player_memory import Mode
+from nimmer_train.memory.crystals import EXCHANGE_SPEAKER, CrystalSpec, content_hash
+from nimmer_train.memory.player_memory import Mode, as_mode
 
 log = logging.getLogger(__name__)
 MAX_CHUNK_CHARS = 1600  # Bitterbot's 400 tokens at 4 characters a token
@@ -283,58 +288,143 @@ class WorkspaceWatcher:
 
 @dataclass(frozen=True)
 class Exchange:
-    """One exchange of a session: its messages as (speaker, text), in order."""
+    """One exchange of a session: its messages as (speaker, text), in order. ``mode`` may be a
+    :class:`Mode` or its value ("in_between" is the in-between, as Mode.IN_BETWEEN is)."""
 
     session_id: str
     turn_ids: tuple[str, ...]
     messages: tuple[tuple[str, str], ...]
     at: float
-    mode: Mode = Mode.REALWORLD
+    mode: Mode | str = Mode.REALWORLD
     data_category: str | None = (
         None  # the consent category (the runtime's turns: casual_dialog); None: the agent's
     )
     enqueued: float = field(default_factory=time.monotonic)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", as_mode(self.mode))
+        if not self.messages:
+            raise NimmerError(f"exchange {self.session_id} {list(self.turn_ids)}: no messages")
 
-def exchange_spec(exchange: Exchange) -> CrystalSpec:
-    text = "\n".join(f"{speaker}: {said}" for speaker, said in exchange.messages)
+    def label(self) -> str:
+        return f"{self.session_id} {','.join(self.turn_ids) or '(no turn id)'}"
+
+
+CONTINUED = " (continued)"
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a lone half of a UTF-16 pair
+
+
+def _repaired(text: str) -> str:
+    """``text`` storable as UTF-8: a lone surrogate (a broken client's half of a pair) becomes
+    U+FFFD, as a decoder does with a bad byte; the rest of the line is kept."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    """``text`` cut into pieces of at most ``size`` characters, at whitespace where there is some
+    in the second half of a piece."""
+    out = []
+    while len(text) > size:
+        cut = text.rfind(" ", size // 2, size + 1)
+        cut = size if cut <= 0 else cut
+        out.append(text[:cut].rstrip())
+        text = text[cut:].lstrip()
+    return [*out, text] if text or not out else out
+
+
+def exchange_specs(exchange: Exchange, max_chars: int = 4000) -> list[CrystalSpec]:
+    """The episode crystals of one exchange: one, with its messages as "speaker: text" lines;
+    or, when that is over ``max_chars`` (the store's entry limit), several, each headed
+    "[exchange part k of n, split to fit the entry limit]", each line still naming its speaker
+    ("speaker (continued): ..."), all with the exchange's session and turn ids. Lone surrogates
+    become U+FFFD. The speaker is the one speaker, or :data:`EXCHANGE_SPEAKER` when several
+    spoke (no one person said the text)."""
+    messages = [(speaker, _repaired(str(said))) for speaker, said in exchange.messages]
+    speakers = {speaker for speaker, _ in messages}
+    speaker = messages[0][0] if len(speakers) == 1 else EXCHANGE_SPEAKER
+    whole = "\n".join(f"{who}: {said}" for who, said in messages)
+    if len(whole) <= max_chars:
+        texts = [whole]
+    else:
+        room = max_chars - len("[exchange part 999 of 999, split to fit the entry limit]\n")
+        lines = []
+        for who, said in messages:
+            size = max(1, room - len(f"{who}{CONTINUED}: "))
+            for i, piece in enumerate(_pieces(said, size)):
+                lines.append(f"{who}{CONTINUED if i else ''}: {piece}")
+        parts: list[str] = []
+        for line in lines:
+            if parts and len(parts[-1]) + 1 + len(line) <= room:
+                parts[-1] += "\n" + line
+            else:
+                parts.append(line)
+        texts = [
+            f"[exchange part {k} of {len(parts)}, split to fit the entry limit]\n{part}"
+            for k, part in enumerate(parts, start=1)
+        ]
     category = {} if exchange.data_category is None else {"data_category": exchange.data_category}
-    return CrystalSpec(
-        text,
-        "transcript",
-        semantic_type="episode",
-        session_id=exchange.session_id,
-        turn_ids=exchange.turn_ids,
-        speaker=exchange.messages[0][0],
-        valid_from=exchange.at,
-        entry_fields=category,  # in the in-between the store makes it clasp, whatever is asked
-    )
+    return [
+        CrystalSpec(
+            text,
+            "transcript",
+            semantic_type="episode",
+            session_id=exchange.session_id,
+            turn_ids=exchange.turn_ids,
+            speaker=speaker,
+            valid_from=exchange.at,
+            entry_fields=dict(category),  # in the in-between the store makes it clasp, whatever is asked
+        )
+        for text in texts
+    ]
 
 
 def index_exchanges(agent: AgentMemory, exchanges: Iterable[Exchange]) -> list[int]:
-    """Index exchanges now (what the background indexer does per batch)."""
+    """Index exchanges now, each mode's in one transaction (what the background indexer does
+    per batch); an exchange too long for one entry becomes several crystals."""
     ids: list[int] = []
     batch = list(exchanges)
     for mode in (Mode.REALWORLD, Mode.IN_BETWEEN):
-        mine = [e for e in batch if e.mode is mode]
+        mine = [e for e in batch if as_mode(e.mode) is mode]
         if mine:
-            ids += agent.add([exchange_spec(e) for e in mine], mode)
+            specs = [s for e in mine for s in exchange_specs(e, agent.memory.max_chars)]
+            ids += agent.add(specs, mode)
     return ids
+
+
+class IndexerClosed(NimmerError):
+    """An exchange submitted to a :class:`TranscriptIndexer` after ``close()``."""
 
 
 class TranscriptIndexer:
     """Indexes submitted exchanges on a daemon thread, in batches; ``lags_s`` records, per
-    exchange, the seconds from submit to commit."""
+    exchange, the seconds from submit to commit.
 
-    def __init__(self, agent: AgentMemory, batch: int = 64) -> None:
-        self.agent, self.batch = agent, batch
+    A batch that fails is indexed again one exchange at a time, so only a bad exchange is lost;
+    an exchange that fails alone is tried up to ``tries`` times with a doubling pause (a
+    transient fault: an embedder error, a busy store), unless the store refused its content
+    (:class:`InvalidEntry`, which another try cannot change). What is given up is logged with
+    the reason and kept in ``dropped`` as (session and turn ids, reason). After :meth:`close`,
+    :meth:`submit` raises :class:`IndexerClosed` and :meth:`flush` returns at once.
+    """
+
+    def __init__(self, agent: AgentMemory, batch: int = 64, tries: int = 3, backoff_s: float = 0.2) -> None:
+        self.agent, self.batch, self.tries, self.backoff_s = agent, batch, tries, backoff_s
         self.queue: queue.Queue[Exchange | None] = queue.Queue()
         self.lags_s: list[float] = []
+        self.dropped: list[tuple[str, str]] = []
+        self.closed = threading.Event()
+        self._submitting = threading.Lock()  # no exchange slips in behind close()'s end marker
         self.thread = threading.Thread(target=self._run, name="transcript-indexer", daemon=True)
         self.thread.start()
 
     def submit(self, exchange: Exchange) -> None:
-        self.queue.put(exchange)
+        with self._submitting:
+            if self.closed.is_set():
+                raise IndexerClosed(
+                    f"transcript indexer of {self.agent.folder} is closed; exchange "
+                    f"{exchange.label()} not indexed (submit before close())"
+                )
+            self.queue.put(exchange)
 
     def backlog(self) -> int:
         return self.queue.qsize()
@@ -357,19 +447,69 @@ class TranscriptIndexer:
                     break
                 items.append(more)
             try:
-                index_exchanges(self.agent, items)
-                done = time.monotonic()
-                self.lags_s += [done - e.enqueued for e in items]
-            except Exception:  # keep indexing later exchanges; this batch is logged
-                log.exception("indexing %d exchanges failed", len(items))
+                self._index(items)
+            except Exception:  # noqa: BLE001 - never stop the thread (the exchanges are accounted)
+                log.exception("transcript indexer: unexpected failure on %d exchanges", len(items))
             finally:
                 for _ in items:
                     self.queue.task_done()
 
-    def flush(self) -> None:
-        """Wait until everything submitted so far is indexed."""
-        self.queue.join()
+    def _index(self, items: list[Exchange]) -> None:
+        try:
+            index_exchanges(self.agent, items)
+            self._done(items)
+            return
+        except Exception as exc:  # noqa: BLE001 - tried again below, one exchange at a time
+            failed = exc
+        if len(items) == 1:  # the batch was this exchange's first try
+            self._index_one(items[0], 1, failed)
+            return
+        log.warning("indexing %d exchanges together failed (%s); one at a time now", len(items), failed)
+        for exchange in items:
+            self._index_one(exchange, 0, None)
 
-    def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout=60)
+    def _index_one(self, exchange: Exchange, tried: int, last: Exception | None) -> None:
+        """Try ``exchange`` alone until ``tries`` tries in all; a refused content is not retried."""
+        for attempt in range(tried, self.tries):
+            if isinstance(last, NimmerError):  # refused (InvalidEntry, ...): a retry cannot help
+                break
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                index_exchanges(self.agent, [exchange])
+                self._done([exchange])
+                return
+            except Exception as exc:  # noqa: BLE001 - a transient fault: tried again
+                last = exc
+        reason = f"{type(last).__name__}: {last}"
+        tries = "refused by the store" if isinstance(last, NimmerError) else f"after {self.tries} tries"
+        log.error("transcript exchange %s not indexed (%s): %s", exchange.label(), tries, reason)
+        self.dropped.append((exchange.label(), reason))
+
+    def _done(self, items: list[Exchange]) -> None:
+        done = time.monotonic()
+        self.lags_s += [done - e.enqueued for e in items]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted so far is indexed (or given up, see ``dropped``).
+        Returns False, without waiting further, once the indexer is closed and its thread has
+        ended with exchanges left, or when ``timeout`` seconds pass; True when all are done."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.queue.all_tasks_done:
+            while self.queue.unfinished_tasks:
+                if self.closed.is_set() and not self.thread.is_alive():
+                    return False
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                self.queue.all_tasks_done.wait(0.1)
+        return True
+
+    def close(self, timeout: float = 60) -> None:
+        """Refuse new exchanges, index the ones already queued, and end the thread (waiting up
+        to ``timeout`` seconds for it). A second close does nothing."""
+        with self._submitting:
+            if self.closed.is_set():
+                return
+            self.closed.set()
+            self.queue.put(None)
+        self.thread.join(timeout=timeout)

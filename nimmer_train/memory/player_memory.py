@@ -31,6 +31,7 @@ from pathlib import Path
 import apsw
 import numpy as np
 
+from nimmer_train.errors import NimmerError
 from nimmer_train.memory.clasp import CLASP_FILE, open_clasp
 from nimmer_train.memory.db import connect, migrate
 from nimmer_train.memory.embedding import Embedder
@@ -52,6 +53,17 @@ Clock = Callable[[], float]
 class Mode(enum.Enum):
     REALWORLD = "realworld"
     IN_BETWEEN = "in_between"
+
+
+def as_mode(mode: Mode | str) -> Mode:
+    """``mode`` as a :class:`Mode`: the enum or its value ("realworld", "in_between") mean the
+    same; anything else is refused (a string compared with ``is`` would read as REALWORLD and
+    put in-between words in primary)."""
+    try:
+        return Mode(mode)
+    except ValueError:
+        known = ", ".join(repr(m.value) for m in Mode)
+        raise NimmerError(f"mode: {mode!r} is not one of {known} (or a Mode)") from None
 
 
 @dataclass(frozen=True)
@@ -139,6 +151,7 @@ class PlayerMemory:
     ) -> list[MemoryEntry]:
         """Validate every item, embed them in one batch (unless ``vectors`` are given) and store them
         in one transaction: all or nothing."""
+        mode = as_mode(mode)
         now = self.clock()
         entries = []
         for item in items:
@@ -209,6 +222,7 @@ class PlayerMemory:
         categories: Iterable[str] | None = None,
     ) -> list[Retrieved]:
         """The top ``k`` entries for ``query`` by the combined score, from the stores ``mode`` allows."""
+        mode = as_mode(mode)
         vector = query if isinstance(query, np.ndarray) else self.embedder.embed([query])[0]
         stores = ["primary", "clasp"] if mode is Mode.IN_BETWEEN else ["primary"]
         now = self.clock()

@@ -87,7 +87,7 @@ def draw_entry(rng: np.random.Generator, i: int, player_name: str, player_id: st
     }
 
 
-def heldout_examples(n: int, seed: int = 10_000) -> list[dict[str, str]]:
+def heldout_examples(n: int, seed: int | np.random.SeedSequence = 10_000) -> list[dict[str, str]]:
     """Examples shaped like the consent filter's output ([player] in place of the player), drawn
     from the same generator but from no store: the server's public held-out set."""
     rng = np.random.default_rng(seed)

@@ -1,12 +1,14 @@
 """One NPC turn: select the register, set the knobs, assemble the prompt, generate through the
 tier's ring, validate the reply against the turn's schema, write it back to the player's memory
 and hand the exchange to the agent's transcript indexer (issue 16), which indexes it as an
-episode crystal on its own thread: the turn pays a queue put, not an embedding."""
+episode crystal on its own thread: the turn pays a queue put, not an embedding. A turn never
+fails because of that indexing: a refused exchange is logged and the turn carries a warning."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from nimmer_train.voice.prompt_dsl import (
 )
 from nimmer_train.voice.registers import Register, RegistersConfig
 
+log = logging.getLogger(__name__)
 CONTEXT_SLACK = 24  # chat-template tokens and JSON quoting around the memory items
 
 
@@ -76,7 +79,9 @@ class NpcRuntime:
         self,
         catalogue: RegistersConfig,
         rings: dict[str, Ring],
-        memory: Any = None,  # a PlayerMemory; None: no knowledge stack, no write-back
+        # a PlayerMemory; None: no knowledge stack and no write-back of the NPC line to the
+        # player's store (``transcripts``, if given, still indexes every exchange)
+        memory: Any = None,
         selection: SelectionConfig | None = None,
         budgets: dict[str, int] | None = None,  # knowledge-stack tokens per layer
         registers: list[str] | None = None,  # registers that can speak; null: the catalogue
@@ -87,7 +92,9 @@ class NpcRuntime:
         self.max_new_tokens = max_new_tokens
         self.transcripts = transcripts
         self.session_id = session_id or f"session-{uuid.uuid4().hex[:12]}"
-        self.turns_spoken: dict[str, int] = {}
+        # turns transcribed per (npc, store): primary's ids count realworld turns only, so
+        # they reveal nothing of the in-between (its turns are numbered in the clasp store)
+        self.turns_spoken: dict[tuple[str, str], int] = {}
         self.catalogue, self.rings, self.memory = catalogue, rings, memory
         self.selection = selection or SelectionConfig()
         self.budgets = budgets or {"world": 60, "district": 60, "primary": 120, "clasp": 60}
@@ -123,9 +130,11 @@ class NpcRuntime:
         )
 
     def speak(self, req: TurnRequest, mode: Any = None) -> Turn:
-        from nimmer_train.memory.player_memory import Mode
+        """One turn; ``mode`` is a Mode or its value ("realworld", "in_between"; None:
+        realworld); any other value is refused before anything is generated or written."""
+        from nimmer_train.memory.player_memory import Mode, as_mode
 
-        mode = mode or Mode.REALWORLD
+        mode = Mode.REALWORLD if mode is None else as_mode(mode)
         ring = self._ring(req.tier)
         t = {"start": time.perf_counter()}
         name = self.selector(req.npc).update(req.gesture)
@@ -144,7 +153,11 @@ class NpcRuntime:
                 attempts.reply["utterance"], f"npc:{req.npc}", "working", "casual_dialog", mode=mode
             )
         if self.transcripts is not None:
-            self._transcribe(req, attempts.reply, mode)
+            try:
+                self._transcribe(req, attempts.reply, mode)
+            except Exception as exc:  # noqa: BLE001 - memory indexing never fails a turn
+                log.warning("turn of %s spoken but its exchange not indexed: %s", req.npc, exc)
+                withheld = [*withheld, "transcript_not_indexed"]
         end = time.perf_counter()
         timings = {
             "select": t["select"] - t["start"],
@@ -157,24 +170,33 @@ class NpcRuntime:
         return _turn(req.npc, name, knobs, attempts, end - t["start"], timings, withheld)
 
     def _transcribe(self, req: TurnRequest, reply: dict[str, Any], mode: Any) -> None:
-        """Queue the exchange for the indexer (it returns at once). An in-between exchange goes
-        with its mode, so the indexer writes it to the clasp store only; its category is the
-        write-back's (casual_dialog), so consent's exclusions apply to it as to the line."""
-        from nimmer_train.memory.ingestion import Exchange
+        """Queue the exchange for the indexer (it returns at once; a closed indexer raises).
 
-        n = self.turns_spoken.get(req.npc, 0) + 1
-        self.turns_spoken[req.npc] = n
+        An in-between exchange goes with its mode, so the indexer writes it to the clasp store
+        only; turns are numbered per store (``<npc>-t<n>`` in primary, ``<npc>-clasp-t<n>`` in
+        the clasp), so primary's ids do not show that in-between turns happened. The episode's
+        speaker is ``exchange`` (it holds the player's line and the NPC's), and consent's
+        training export never shares such an entry. Its category is the write-back's
+        (casual_dialog); the agent folder's own consent record governs it, which is the
+        player's record only when the agent folder is the player's folder."""
+        from nimmer_train.memory.ingestion import Exchange
+        from nimmer_train.memory.player_memory import Mode
+
+        store = "clasp" if mode is Mode.IN_BETWEEN else "primary"
+        n = self.turns_spoken.get((req.npc, store), 0) + 1
+        turn_id = f"{req.npc}-clasp-t{n}" if store == "clasp" else f"{req.npc}-t{n}"
         said = str(reply.get("utterance", "")) or json.dumps(reply, ensure_ascii=False)
         self.transcripts.submit(
             Exchange(
                 f"{self.session_id}:{req.npc}",
-                (f"{req.npc}-t{n}",),
+                (turn_id,),
                 (("player", req.player_utterance), (f"npc:{req.npc}", said)),
                 self.transcripts.agent.clock(),
                 mode,
                 "casual_dialog",
             )
         )
+        self.turns_spoken[(req.npc, store)] = n
 
     def _ring(self, tier: str) -> Ring:
         if tier not in self.rings:
@@ -215,9 +237,9 @@ class NpcRuntime:
 def clasp_withheld(mode: Any, ring: Ring) -> list[str]:
     """The warning a turn carries when the in-between's clasp layer was left out of its prompt
     because its ring is remote (the clasp has no transport path)."""
-    from nimmer_train.memory.player_memory import Mode
+    from nimmer_train.memory.player_memory import Mode, as_mode
 
-    if mode is Mode.IN_BETWEEN and getattr(ring, "local", False) is not True:
+    if as_mode(mode) is Mode.IN_BETWEEN and getattr(ring, "local", False) is not True:
         return [f"clasp_layer_withheld_remote_ring_{ring.name}"]
     return []
 

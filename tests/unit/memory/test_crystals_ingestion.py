@@ -12,9 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
+from nimmer_train.errors import NimmerError
+from nimmer_train.memory.consent import exclude, grant, training_examples, write_profile
 from nimmer_train.memory.crystals import CrystalSpec
 from nimmer_train.memory.ingestion import (
     Exchange,
+    IndexerClosed,
     TranscriptIndexer,
     WorkspaceWatcher,
     chunk_markdown,
@@ -204,7 +207,8 @@ def test_transcripts_are_indexed_in_the_background(tmp_path: Path) -> None:
         .fetchall()
     )
     assert len(rows) == 50
-    assert rows[3] == ("session-7", '["t6", "t7"]', "player", "episode", "transcript", clock.now + 3)
+    # two speakers: the episode's speaker says it is an exchange, not the player's words
+    assert rows[3] == ("session-7", '["t6", "t7"]', "exchange", "episode", "transcript", clock.now + 3)
     hit = agent.memory_search("question 17 about the harbour", min_score=-1, record_access=False)[0]
     assert hit["turn_ids"] == ["t34", "t35"] and hit["text"].startswith("player: question 17")
     clasp = agent.db("clasp").execute("SELECT text FROM entries").fetchall()
@@ -276,8 +280,309 @@ def test_runtime_turns_feed_the_transcript_indexer(tmp_path: Path) -> None:
     texts = [t for (t,) in primary.execute("SELECT text FROM entries")]
     assert len(texts) == 1 and not any("gate open" in t for t in texts)
     clasp = agent.memory_search("left the gate open", min_score=-1, mode=Mode.IN_BETWEEN, record_access=False)
-    assert clasp[0]["store"] == "clasp" and clasp[0]["turn_ids"] == ["oran-t2"]
+    assert clasp[0]["store"] == "clasp" and clasp[0]["turn_ids"] == ["oran-clasp-t1"]  # numbered per store
     assert clasp[0]["data_category"] == "clasp"
     indexer.close()
     agent.close()
     player.close()
+
+
+# -- the runtime -> indexer path under faults (review of issue 16) ------------------------------
+class _FailingEmbedder(HashEmbedder):
+    """Raises on its first ``failures`` calls (a transient fault: a busy store, a model hiccup)."""
+
+    def __init__(self, failures: int) -> None:
+        self.calls, self.failures = 0, failures
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise RuntimeError("transient embedder fault")
+        return super().embed(texts)
+
+
+def _request(catalogue, said: str = "Where did the water go?") -> TurnRequest:  # noqa: ANN001
+    return TurnRequest(
+        npc="oran",
+        gesture=catalogue.get("drunk-scavenger").traits,
+        player_utterance=said,
+        turn_intent="answer the player",
+        zone_context="the scrap fields at dusk",
+    )
+
+
+def _texts(agent, store: str = "primary") -> list[str]:  # noqa: ANN001
+    with agent.lock:
+        return [t for (t,) in agent.db(store).execute("SELECT text FROM entries ORDER BY id")]
+
+
+def _turn_ids(agent, store: str = "primary") -> list[list[str]]:  # noqa: ANN001
+    with agent.lock:
+        rows = agent.db(store).execute("SELECT turn_ids FROM crystals ORDER BY entry_id").fetchall()
+    return [json.loads(r[0]) for r in rows]
+
+
+def test_an_oversized_exchange_is_split_and_does_not_lose_its_batch(tmp_path: Path) -> None:
+    """Each line alone fits an entry, the joined exchange does not: it is stored as parts that
+    say so (every line still naming its speaker), and the exchanges dequeued with it are indexed."""
+    catalogue = load_catalogue()
+    embedder = _GatedEmbedder()
+    agent = agent_memory(tmp_path / "agent", embedder=embedder)
+    indexer = TranscriptIndexer(agent)
+    player, _ = open_player(tmp_path / "player", HashEmbedder())
+    long_reply = "The water went down the old drain. " * 60  # ~2100 chars: the write-back takes it
+    ring = _ScriptedRing(["first reply", "second reply", long_reply, "fourth reply"])
+    runtime = NpcRuntime(catalogue, {"casual": ring}, memory=player, transcripts=indexer, session_id="s")
+    runtime.speak(_request(catalogue))
+    _wait(lambda: indexer.backlog() == 0, "the indexer to take turn 1 (it blocks in embed)")
+    runtime.speak(_request(catalogue, "And the second thing?"))
+    long_said = "Tell me everything, slowly. " * 80  # ~2240 chars
+    runtime.speak(_request(catalogue, long_said))
+    runtime.speak(_request(catalogue, "And the fourth?"))  # turns 2-4 wait in one batch
+    embedder.gate.set()
+    assert indexer.flush(timeout=30)
+    with agent.lock:
+        rows = (
+            agent.db("primary")
+            .execute(
+                "SELECT e.text, e.speaker, c.turn_ids FROM entries e JOIN crystals c ON c.entry_id = e.id "
+                "ORDER BY e.id"
+            )
+            .fetchall()
+        )
+    try:
+        assert any("second reply" in t for t, _, _ in rows) and any("fourth reply" in t for t, _, _ in rows)
+        parts = [(t, s) for t, s, ids in rows if json.loads(ids) == ["oran-t3"]]
+        assert len(parts) == 2 and all(len(t) <= agent.memory.max_chars for t, _ in parts)
+        assert parts[0][0].startswith("[exchange part 1 of 2, split to fit the entry limit]\nplayer: Tell")
+        assert parts[1][0].startswith("[exchange part 2 of 2, split to fit the entry limit]\n")
+        assert all(s == "exchange" for _, s in parts)
+        body = " ".join(t.split("\n", 1)[1] for t, _ in parts)
+        assert body.count("Tell me everything") == 80 and body.count("old drain") == 60  # nothing lost
+        assert "npc:oran: The water" in body and not indexer.dropped
+    finally:
+        indexer.close()
+        agent.close()
+        player.close()
+
+
+def test_a_bad_exchange_is_dropped_alone_with_its_reason(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    """A batch that fails is indexed one exchange at a time: only the bad one is lost, logged
+    with why, and a refused content is not retried. A lone surrogate is repaired, not refused."""
+    embedder = _GatedEmbedder()
+    agent = agent_memory(tmp_path, embedder=embedder)
+    indexer = TranscriptIndexer(agent, backoff_s=0.01)
+    indexer.submit(Exchange("s", ("t0",), (("player", "warm-up"),), 1.0))
+    _wait(lambda: indexer.backlog() == 0, "the indexer to take the warm-up (it blocks in embed)")
+    indexer.submit(Exchange("s", ("t1",), (("player", "before the bad one"),), 2.0))
+    indexer.submit(Exchange("s", ("t2",), (("player", "wrong category"),), 3.0, data_category="no-such"))
+    indexer.submit(Exchange("s", ("t3",), (("player", "half a pair \ud83d here"),), 4.0))
+    indexer.submit(Exchange("s", ("t4",), (("player", "after the bad one"),), 5.0))
+    with caplog.at_level(logging.WARNING, logger="nimmer_train.memory.ingestion"):
+        embedder.gate.set()
+        assert indexer.flush(timeout=30)
+    texts = _texts(agent)
+    try:
+        assert texts == [
+            "player: warm-up",
+            "player: before the bad one",
+            "player: half a pair \ufffd here",
+            "player: after the bad one",
+        ]
+        assert [label for label, _ in indexer.dropped] == ["s t2"]
+        assert "data_category" in indexer.dropped[0][1] and "no-such" in indexer.dropped[0][1]
+        assert "one at a time" in caplog.text
+        assert "s t2 not indexed (refused by the store)" in caplog.text
+    finally:
+        indexer.close()
+        agent.close()
+
+
+def test_a_transient_failure_is_retried_and_a_lasting_one_dropped_after_three_tries(
+    tmp_path: Path,
+    caplog,  # noqa: ANN001
+) -> None:
+    catalogue = load_catalogue()
+    agent = agent_memory(tmp_path / "once", embedder=_FailingEmbedder(1))
+    indexer = TranscriptIndexer(agent, backoff_s=0.01)
+    runtime = NpcRuntime(
+        catalogue, {"casual": _ScriptedRing(["The cistern holds water."])}, transcripts=indexer
+    )
+    runtime.speak(_request(catalogue))
+    assert indexer.flush(timeout=30)
+    assert any("cistern holds water" in t for t in _texts(agent)) and not indexer.dropped
+    indexer.close()
+    agent.close()
+
+    embedder = _FailingEmbedder(10**6)
+    agent = agent_memory(tmp_path / "always", embedder=embedder)
+    indexer = TranscriptIndexer(agent, backoff_s=0.01)
+    with caplog.at_level(logging.ERROR, logger="nimmer_train.memory.ingestion"):
+        indexer.submit(Exchange("s", ("t1",), (("player", "lost"),), 1.0))
+        assert indexer.flush(timeout=30)
+    try:
+        assert embedder.calls == 3 and [label for label, _ in indexer.dropped] == ["s t1"]
+        assert "s t1 not indexed (after 3 tries): RuntimeError: transient embedder fault" in caplog.text
+        assert _texts(agent) == []
+    finally:
+        indexer.close()
+        agent.close()
+
+
+def test_a_closed_indexer_refuses_and_the_turn_still_succeeds(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    """submit after close raises; the runtime logs it and the turn carries a warning (memory
+    indexing never fails a turn); flush returns; a second close does nothing."""
+    catalogue = load_catalogue()
+    agent = agent_memory(tmp_path / "agent")
+    indexer = TranscriptIndexer(agent)
+    indexer.submit(Exchange("s", ("t1",), (("player", "queued before close"),), 1.0))
+    indexer.close()  # what was queued before close is indexed
+    assert _texts(agent) == ["player: queued before close"]
+    try:
+        indexer.submit(Exchange("s", ("t2",), (("player", "late"),), 2.0))
+        raise AssertionError("submit after close was accepted")
+    except IndexerClosed as exc:
+        assert "is closed" in str(exc) and "s t2" in str(exc)
+    runtime = NpcRuntime(catalogue, {"casual": _ScriptedRing(["After close."])}, transcripts=indexer)
+    with caplog.at_level(logging.WARNING, logger="nimmer_train.runtime.turn"):
+        turn = runtime.speak(_request(catalogue))
+    assert turn.reply["utterance"] == "After close."
+    assert "transcript_not_indexed" in turn.feature_compat_warnings
+    assert "exchange not indexed" in caplog.text
+    done = threading.Event()
+    threading.Thread(target=lambda: (indexer.flush(), done.set()), daemon=True).start()
+    assert done.wait(timeout=5), "flush() after close() hangs"
+    indexer.close()
+    assert _texts(agent) == ["player: queued before close"]
+    agent.close()
+
+
+def test_a_mode_given_by_value_means_the_same_as_the_enum(tmp_path: Path) -> None:
+    """speak(mode="in_between") is the in-between: the NPC line goes to the player's clasp
+    store, the exchange to the agent's clasp store, nothing to either primary. An unknown mode
+    is refused before anything is generated or written."""
+    catalogue = load_catalogue()
+    agent = agent_memory(tmp_path / "agent")
+    indexer = TranscriptIndexer(agent)
+    player, _ = open_player(tmp_path / "player", HashEmbedder())
+    ring = _ScriptedRing(["Said in the clasp.", "never spoken"])
+    runtime = NpcRuntime(catalogue, {"casual": ring}, memory=player, transcripts=indexer)
+    try:
+        runtime.speak(_request(catalogue), mode="in_between")
+        try:
+            runtime.speak(_request(catalogue), mode="sideways")
+            raise AssertionError("an unknown mode was accepted")
+        except NimmerError as exc:
+            assert "'sideways' is not one of 'realworld', 'in_between'" in str(exc)
+        assert len(ring.texts) == 1  # refused before the ring spoke
+        assert indexer.flush(timeout=30)
+        assert [e.text for e in player.entries()] == []  # the player's primary
+        clasp = player.retrieve("Said in the clasp", mode="in_between")
+        assert [r.entry.text for r in clasp] == ["Said in the clasp."]
+        assert _texts(agent) == [] and any("Said in the clasp." in t for t in _texts(agent, "clasp"))
+        assert Exchange("s", (), (("player", "x"),), 1.0, "in_between").mode is Mode.IN_BETWEEN
+        agent.add([CrystalSpec("a clasp note", "note")], "in_between")
+        assert "a clasp note" in _texts(agent, "clasp") and "a clasp note" not in _texts(agent)
+    finally:
+        indexer.close()
+        agent.close()
+        player.close()
+
+
+def test_episodes_are_never_exported_as_anyones_words(tmp_path: Path) -> None:
+    """An episode holds the player's line and the NPC's reply (speaker "exchange"): consent's
+    export skips it, so the NPC's words never leave as the player's. An entry of one speaker
+    (the player's own line) is still shared, redacted."""
+    catalogue = load_catalogue()
+    folder = tmp_path / "device"  # the agent folder is the player's folder: its consent record
+    agent = agent_memory(folder)
+    write_profile(folder, "p-4711", "Mara Quell")
+    grant(agent.memory, "A2_anonymized", now=1.0)
+    indexer = TranscriptIndexer(agent)
+    runtime = NpcRuntime(
+        catalogue, {"casual": _ScriptedRing(["The cistern under the tannery."])}, transcripts=indexer
+    )
+    runtime.speak(_request(catalogue, "I am Mara Quell, where did the water go?"))
+    indexer.submit(
+        Exchange("s", ("t9",), (("player", "Mara Quell keeps bees"),), 2.0, data_category="casual_dialog")
+    )
+    assert indexer.flush(timeout=30)
+    shared = training_examples(agent.memory, "A2_anonymized", "p-4711", "Mara Quell")
+    try:
+        assert any("tannery" in t for t in _texts(agent))  # the episode is stored and searchable
+        assert shared == [
+            {
+                "text": "player: [player] keeps bees",
+                "speaker": "player",
+                "data_category": "casual_dialog",
+                "semantic_type": "episode",
+                "memory_class": "working",
+            }
+        ]
+    finally:
+        indexer.close()
+        agent.close()
+
+
+def test_excluded_casual_dialog_and_in_between_episodes_are_never_exported(tmp_path: Path) -> None:
+    catalogue = load_catalogue()
+    folder = tmp_path / "device"
+    agent = agent_memory(folder)
+    write_profile(folder, "p-4711", "Mara Quell")
+    grant(agent.memory, "A2_anonymized", now=1.0)
+    exclude(agent.memory, "casual_dialog")
+    indexer = TranscriptIndexer(agent)
+    runtime = NpcRuntime(
+        catalogue, {"casual": _ScriptedRing(["Realworld reply.", "Clasp reply."])}, transcripts=indexer
+    )
+    runtime.speak(_request(catalogue))
+    runtime.speak(_request(catalogue, "in the clasp now"), mode=Mode.IN_BETWEEN)
+    indexer.submit(Exchange("s", ("t9",), (("player", "my own line"),), 2.0, data_category="casual_dialog"))
+    assert indexer.flush(timeout=30)
+    try:
+        assert training_examples(agent.memory, "A2_anonymized", "p-4711", "Mara Quell") == []
+        grant(
+            agent.memory, "A2_anonymized", ("casual_dialog", "companion_session"), now=2.0
+        )  # exclusion kept
+        assert training_examples(agent.memory, "A2_anonymized", "p-4711", "Mara Quell") == []
+        assert not any("Clasp reply" in t for t in _texts(agent))
+        assert any("Clasp reply" in t for t in _texts(agent, "clasp"))
+    finally:
+        indexer.close()
+        agent.close()
+
+
+def test_primary_turn_ids_do_not_reveal_in_between_turns(tmp_path: Path) -> None:
+    catalogue = load_catalogue()
+    agent = agent_memory(tmp_path / "agent")
+    indexer = TranscriptIndexer(agent)
+    runtime = NpcRuntime(
+        catalogue, {"casual": _ScriptedRing(["a", "b", "c", "d"])}, transcripts=indexer, session_id="s"
+    )
+    runtime.speak(_request(catalogue))
+    runtime.speak(_request(catalogue, "clasp words"), mode=Mode.IN_BETWEEN)
+    runtime.speak(_request(catalogue, "back outside"))
+    runtime.speak(_request(catalogue, "clasp again"), mode="in_between")
+    assert indexer.flush(timeout=30)
+    try:
+        assert _turn_ids(agent) == [["oran-t1"], ["oran-t2"]]
+        assert _turn_ids(agent, "clasp") == [["oran-clasp-t1"], ["oran-clasp-t2"]]
+    finally:
+        indexer.close()
+        agent.close()
+
+
+def test_without_player_memory_exchanges_are_still_indexed(tmp_path: Path) -> None:
+    """memory=None means no knowledge stack and no write-back to a player store; the transcript
+    indexer, when given, still indexes every exchange (the documented behaviour)."""
+    catalogue = load_catalogue()
+    agent = agent_memory(tmp_path / "agent")
+    indexer = TranscriptIndexer(agent)
+    runtime = NpcRuntime(catalogue, {"casual": _ScriptedRing(["x"])}, memory=None, transcripts=indexer)
+    runtime.speak(_request(catalogue))
+    assert indexer.flush(timeout=30)
+    try:
+        assert _texts(agent) == ["player: Where did the water go?\nnpc:oran: x"]
+    finally:
+        indexer.close()
+        agent.close()
