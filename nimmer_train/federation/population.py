@@ -112,6 +112,20 @@ class SketchEmbedder:
         return out
 
 
+HELDOUT_STREAM = 1  # the spawn key of the server's held-out set: a namespace no contributor has
+
+
+def heldout_seed(seed: int) -> np.random.SeedSequence:
+    """The generator seed of the server's public held-out set for a federation seeded ``seed``.
+
+    Its own namespace by construction: a SeedSequence with a spawn key pads its entropy to four
+    32-bit words and appends the key, and a plain integer seed below 2**128 (every contributor's:
+    :meth:`Population.device` seeds contributor i with ``seed * 1000 + i``) has no fifth word, so
+    the held-out stream is none of theirs at any N. (It was ``10_000 + seed``: contributor
+    ``10_000 - 999 seed``'s own stream once N was larger than that.)"""
+    return np.random.SeedSequence(seed, spawn_key=(HELDOUT_STREAM,))
+
+
 def build_population(folder: Path, settings: FederatedConfig, embedder: Embedder) -> Population:
     """The population of ``settings.contributors`` virtual players (nothing is built yet)."""
     folder.mkdir(parents=True, exist_ok=True)

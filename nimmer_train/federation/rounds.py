@@ -403,11 +403,12 @@ def make_setup(
 
     from nimmer_train.federation.client import example_text
     from nimmer_train.federation.local_training import encode_rows, load_trainable
+    from nimmer_train.federation.population import heldout_seed
     from nimmer_train.memory.synthetic import heldout_examples
 
     model = load_trainable(base_dir, adapter_dir)[0].eval()
     texts = [
-        example_text(e) for e in heldout_examples(settings.heldout_examples, seed=10_000 + settings.seed)
+        example_text(e) for e in heldout_examples(settings.heldout_examples, seed=heldout_seed(settings.seed))
     ]
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     rows = encode_rows(tokenizer, texts, settings.max_length)

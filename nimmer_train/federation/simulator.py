@@ -36,7 +36,7 @@ from nimmer_train.errors import ConfigError
 from nimmer_train.federation.client import device_examples
 from nimmer_train.federation.local_training import LocalTrainingConfig, sgd_locally
 from nimmer_train.federation.mods import contribution
-from nimmer_train.federation.population import Population
+from nimmer_train.federation.population import Population, heldout_seed
 from nimmer_train.federation.rounds import mechanism_of
 from nimmer_train.federation.wire import get_arrays, indicator_value, set_arrays
 from nimmer_train.privacy.accounting import Ledger
@@ -80,7 +80,8 @@ class Simulator:
 
         model, tokenizer = load_trainable(base_dir, adapter_dir)
         texts = [
-            example_text(e) for e in heldout_examples(settings.heldout_examples, seed=10_000 + settings.seed)
+            example_text(e)
+            for e in heldout_examples(settings.heldout_examples, seed=heldout_seed(settings.seed))
         ]
         return cls(
             model,

@@ -161,9 +161,9 @@ def run_sweep(
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per cell (in the runs' first order): the mechanism, the mean held-out losses and
     gain, and the share of the non-private gain (each run's gain over the non-private run of the
-    same N and seed; None where that gain is not positive): ``share`` the mean over the seeds
-    that have one, ``share_sd`` (sample sd; 0 for one seed), ``share_min``, ``share_max``; the
-    runs themselves under ``runs``."""
+    same N and seed; None where that gain is not positive): ``share`` the mean over the
+    ``share_seeds`` seeds that have one, ``share_sd`` (sample sd; 0 for one seed), ``share_min``,
+    ``share_max``; the runs themselves under ``runs``."""
     reference = {(r["population"], r["seed"]): r["gain"] for r in runs if r["epsilon"] is None}
     cells: dict[tuple[float | None, int], list[dict[str, Any]]] = {}
     for r in runs:
@@ -185,6 +185,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "heldout_loss_after": float(np.mean([r["heldout_loss_after"] for r in group])),
                 "gain": float(np.mean(gains)),
                 "gain_sd": _sd(gains),
+                "share_seeds": len(shares),  # the seeds the share is taken over
                 "share": float(np.mean(shares)) if shares else None,
                 "share_sd": _sd(shares) if shares else None,
                 "share_min": min(shares) if shares else None,
@@ -224,7 +225,8 @@ def goal_met(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> dict[str,
 
 def table(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> str:
     """The privacy-utility table as Markdown: one line per cell (means over its seeds, the share's
-    sd and range), goals marked on the mean."""
+    sd and range over the seeds that have one), goals marked on the mean; a cell says how many
+    seeds its share is the mean of, and how many had none (their non-private gain was <= 0)."""
     goals = {tuple(g.split("@")) for g in sweep.goal_cells}
     lines = [
         f"| epsilon (delta={sweep.delta:g}) | N | q | z | z/(qN) | held-out loss before -> after (mean) | "
@@ -234,17 +236,28 @@ def table(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> str:
     for r in rows:
         eps = "inf (no DP)" if r["epsilon"] is None else f"{r['epsilon']:g}"
         seeds = r["seeds"]
-        share = "—"
+        taken = r.get("share_seeds", seeds)
+        dropped = seeds - taken
+        without = f"{dropped} seed{_s(dropped)} without a share (non-private gain <= 0)"
+        share = "—" + (f" ({without})" if dropped else "")
         if r["share"] is not None:
             share = (
                 f"{100 * r['share']:.1f} % ± {100 * r['share_sd']:.1f} "
                 f"[{100 * r['share_min']:.1f}, {100 * r['share_max']:.1f}]"
             )
-            if r["epsilon"] is not None and (f"{r['epsilon']:g}", str(r["population"])) in goals:
+            notes = []
+            goal = r["epsilon"] is not None and (f"{r['epsilon']:g}", str(r["population"])) in goals
+            if goal:
                 verdict = (
                     "met" if r["share"] >= sweep.goal_share else f"{100 * sweep.goal_share:.0f} % NOT met"
                 )
-                share += f" (goal {verdict}, mean of {seeds} seed{'s' if seeds != 1 else ''})"
+                notes.append(f"goal {verdict}")
+            if goal or dropped:
+                notes.append(f"mean of {taken} seed{_s(taken)}")
+            if dropped:
+                notes.append(without)
+            if notes:
+                share += f" ({', '.join(notes)})"
         lines.append(
             f"| {eps} | {r['population']:,} | {r['sample_rate']:.2g} | {r['noise_multiplier']:.3f} | "
             f"{r['noise_std_over_clip']:.2e} | "
@@ -252,6 +265,10 @@ def table(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> str:
             f"{r['gain']:.4f} ± {r['gain_sd']:.4f} | {share} | {seeds} | {r['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _s(count: int) -> str:
+    return "" if count == 1 else "s"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -291,26 +308,29 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     tmp.replace(path)
 
 
-def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any]]:
-    """The sweep of ``cfg.privacy_sweep`` on the base and adapter the federate stage would use,
-    tracked in MLflow (each run's gain, z and seconds, each cell's mean share and its sd, the
-    table, its JSON and the plot as artifacts); outputs under
-    ``<workdir>/privacy_sweep/<fingerprint>/`` (the fingerprint leaves out ``seeds``: a rerun with
-    more seeds adds runs beside the finished ones)."""
-    import mlflow
+def content_identity(folder: Path) -> dict[str, str]:
+    """What a published folder holds: each file's sha256, from its manifest. Not the manifest's
+    fingerprint, which names how the folder was made (two bases made alike, or a base and its
+    retrained copy, can share it and differ in their weights)."""
+    from nimmer_train.artifacts import read_manifest
 
-    from nimmer_train import tracking
-    from nimmer_train.artifacts import fingerprint, read_manifest
-    from nimmer_train.federation.population import SketchEmbedder
-    from nimmer_train.federation.stage import locate
+    return {row["path"]: row["sha256"] for row in read_manifest(folder)["files"]}
 
-    base_dir, adapter_dir, register = locate(cfg, None)
-    fp = fingerprint(
+
+def sweep_fingerprint(cfg: Any, base_dir: Path, adapter_dir: Path) -> str:
+    """The output folder's fingerprint: the base's and the start adapter's content
+    (:func:`content_identity`), the federated recipe and the sweep's cells. It leaves out what
+    does not change a run's result: ``seeds`` (more seeds extend a sweep: its finished (cell,
+    seed) runs stay where they are), ``goal_share`` and ``goal_cells`` (how the table judges)."""
+    from nimmer_train.artifacts import fingerprint
+
+    return fingerprint(
         {
-            "version": 2,  # 2: a folder per (cell, seed)
-            "adapter": read_manifest(adapter_dir)["fingerprint"],
+            # 3: the base and adapter by content; the held-out set in its own seed namespace
+            "version": 3,
+            "base": content_identity(base_dir),
+            "adapter": content_identity(adapter_dir),
             "federated": dataclasses.asdict(cfg.federated),
-            # more seeds extend a sweep: its finished (cell, seed) runs stay where they are
             "sweep": {
                 k: v
                 for k, v in dataclasses.asdict(cfg.privacy_sweep).items()
@@ -318,15 +338,58 @@ def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any
             },
         }
     )
+
+
+def resumable_run(cfg: Any, run_id: str | None) -> str | None:
+    """The MLflow run a rerun continues: the one a killed sweep of this same config left behind.
+    MLflow keeps a param's first value, so a rerun that changes what the folder's fingerprint
+    leaves out (more seeds, another goal, another path to the same base) starts a new run in the
+    same folder instead, whose params say what it ran with (None: start one)."""
+    if run_id is None or not cfg.tracking.enabled:
+        return run_id
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from nimmer_train import tracking
+
+    tracking.configure(cfg.tracking)
+    try:
+        logged = MlflowClient().get_run(run_id).data.params
+    except MlflowException:
+        return None
+    wanted = {k: v[:6000] for k, v in tracking.flatten(dataclasses.asdict(cfg)).items()}  # as logged
+    return run_id if all(logged.get(k) == v for k, v in wanted.items()) else None
+
+
+def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any]]:
+    """The sweep of ``cfg.privacy_sweep`` on the base and adapter the federate stage would use,
+    tracked in MLflow (each run's gain, z and seconds, each cell's mean share and its sd, the
+    table, its JSON and the plot as artifacts); outputs under
+    ``<workdir>/privacy_sweep/<fingerprint>/`` (:func:`sweep_fingerprint`: a rerun with more
+    seeds adds runs beside the finished ones; another base or adapter gets its own folder). A
+    rerun of the same config continues its MLflow run; one with other seeds or goals starts a new
+    run (:func:`resumable_run`); ``privacy_utility.json`` records the seeds and goals its table was
+    judged with."""
+    import mlflow
+
+    from nimmer_train import tracking
+    from nimmer_train.federation.population import SketchEmbedder
+    from nimmer_train.federation.stage import locate
+
+    base_dir, adapter_dir, register = locate(cfg, None)
+    fp = sweep_fingerprint(cfg, base_dir, adapter_dir)
     root = Path(cfg.paths.workdir).resolve() / "privacy_sweep" / fp[:12]
     root.mkdir(parents=True, exist_ok=True)
     run_file = root / "mlflow_run_id"
-    resume = run_file.read_text().strip() if run_file.exists() else None
+    earlier = run_file.read_text().strip() if run_file.exists() else None
+    resume = resumable_run(cfg, earlier)
     sweep = cfg.privacy_sweep
     with tracking.stage_run(cfg, pipeline, "privacy_sweep", resume_run_id=resume) as run_id:
         if run_id:
             run_file.write_text(run_id)
             mlflow.set_tags({"register": register, "start_adapter": str(adapter_dir)})
+            if earlier and earlier != run_id:  # the same folder's runs, another seed count or goal
+                mlflow.set_tag("privacy_sweep.extends_run", earlier)
 
         def log(row: dict[str, Any]) -> None:
             eps = "inf" if row["epsilon"] is None else f"{row['epsilon']:g}"
@@ -346,7 +409,8 @@ def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any
 
         rows = run_sweep(base_dir, adapter_dir, cfg.federated, sweep, root, SketchEmbedder(), log)
         goals = goal_met(rows, sweep)
-        write_json_atomic(root / "privacy_utility.json", {"rows": rows, "goals": goals})
+        judged = {"seeds": sweep.seeds, "goal_share": sweep.goal_share, "goal_cells": list(sweep.goal_cells)}
+        write_json_atomic(root / "privacy_utility.json", {"rows": rows, "goals": goals, **judged})
         (root / TABLE).write_text(table(rows, sweep))
         plot(rows, root / PLOT)
         if run_id:
@@ -357,6 +421,9 @@ def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any
             for name in (TABLE, PLOT, "privacy_utility.json"):
                 mlflow.log_artifact(str(root / name), "privacy_sweep")
     print(table(rows, sweep))
-    print(f"goals (mean share over {sweep.seeds} seeds >= {100 * sweep.goal_share:.0f} %): {goals}")
+    print(
+        f"goals (mean share over the seeds whose non-private gain is positive, of {sweep.seeds}, "
+        f">= {100 * sweep.goal_share:.0f} %): {goals}"
+    )
     print(f"outputs: {root}")
     return rows

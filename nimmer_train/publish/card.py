@@ -10,6 +10,8 @@ from typing import Any
 
 import yaml
 
+from nimmer_train.publish.listing import A1, A2, caveat_label, privacy_caveats
+
 
 def _fmt(value: float | None) -> str:
     return "none (no player data)" if value is None else f"{value:.3f}"
@@ -127,17 +129,22 @@ def _privacy_lines(manifest: dict[str, Any], privacy: dict[str, Any]) -> list[st
             f"{privacy['uploads_a2']} uploads (counts with the configured noise only, exact where a noise "
             "multiplier was 0)",
         ]
+    caveats = privacy_caveats(privacy)  # epsilons that bound nothing: said beside the figure
+
+    def eps(key: str) -> str:
+        said = caveats.get(key)
+        return _fmt(privacy[key]) + (f" (**{said}**)" if said else "")
+
     lines = [
         f"- Delta: {privacy['delta']:g}",
-        f"- A.1 federated (user-level DP): epsilon {_fmt(privacy['epsilon_a1_user_level'])}, "
+        f"- A.1 federated (user-level DP): epsilon {eps(A1)}, "
         f"{privacy['contributors_a1']} contributors{noised}",
     ]
     if mechanisms.get("epsilon_a1_user_level"):
         lines.append(f"  - covers: {mechanisms['epsilon_a1_user_level']}")
     lines += _report_lines(privacy)
     lines.append(
-        f"- A.2 anonymized (record-level DP): epsilon {_fmt(privacy['epsilon_a2_record_level'])}, "
-        f"{privacy['uploads_a2']} uploads{noised}"
+        f"- A.2 anonymized (record-level DP): epsilon {eps(A2)}, {privacy['uploads_a2']} uploads{noised}"
     )
     if mechanisms.get("epsilon_a2_record_level"):
         lines.append(f"  - covers: {mechanisms['epsilon_a2_record_level']}")
@@ -146,7 +153,9 @@ def _privacy_lines(manifest: dict[str, Any], privacy: dict[str, Any]) -> list[st
         lines.append(f"- Local DP-SGD on A.1 devices: {mechanisms['local_dp_a1_devices']}")
     lines.append(
         f"- differential_privacy_epsilon (the registry's figure, for A.2 contributions): "
-        f"{_fmt(manifest['differential_privacy_epsilon'])}; "
+        f"{_fmt(manifest['differential_privacy_epsilon'])}"
+        + (f" ({caveat_label(caveats[A2])})" if A2 in caveats else "")
+        + "; "
         f"contributors_count: {manifest['contributors_count']}{noised}"
     )
     if privacy.get("counts_noised"):
@@ -160,6 +169,7 @@ def _privacy_lines(manifest: dict[str, Any], privacy: dict[str, Any]) -> list[st
 
 def _report_lines(privacy: dict[str, Any]) -> list[str]:
     """The A.1 guarantee's full statement and its empirical audit (absent before issue 14)."""
+    caveats = privacy_caveats(privacy)
     m = privacy.get("a1_mechanism")
     if not m:
         return []
@@ -176,7 +186,9 @@ def _report_lines(privacy: dict[str, Any]) -> list[str]:
             f"  - empirical audit: epsilon lower bound {audit['audit_epsilon_lower_bound']:.3f} at "
             f"{100 * audit['confidence']:.0f} % confidence ({audit['canaries']} canaries, "
             f"{audit['correct']} of {audit['guesses']} guesses right) beside the accounted "
-            f"{_fmt(audit['theoretical_epsilon'])}: "
+            f"{_fmt(audit['theoretical_epsilon'])}"
+            + (f" ({caveat_label(caveats[A1])})" if A1 in caveats else "")
+            + ": "
             f"{audit['method']}"
         )
         if "audit_conclusive" in audit:

@@ -36,6 +36,7 @@ from nimmer_train.artifacts import (
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import WEIGHTS, base_identity, read_metadata
 from nimmer_train.publish import card
+from nimmer_train.publish.listing import A1, A2, privacy_caveats
 from nimmer_train.publish.manifest import FORMAT, SIGNATURE, manifest_bytes, release_files
 from nimmer_train.publish.registry import Registry, Version, label_of
 from nimmer_train.publish.signing import load_private, sign, signature_bytes
@@ -107,6 +108,7 @@ def _corpus_refs(req: PublishRequest, base_manifest: dict[str, Any], merged: dic
         if (req.merge_adapter / CONTRIBUTED).exists():
             contributed = json.loads((req.merge_adapter / CONTRIBUTED).read_text())
     tiers = contributed.get("tiers", {})
+    caveats = privacy_caveats(fed) if fed else {}
     return {
         "literary": literary,
         # the base's own mix (issue 25), else the synthetic set the merged adapter was trained on
@@ -117,17 +119,23 @@ def _corpus_refs(req: PublishRequest, base_manifest: dict[str, Any], merged: dic
             # counts from a federation are noised estimates (issue 20): never an exact count
             "A1_federated": {
                 "contributors": fed.get("contributors_a1", 0),
-                "guarantee": tiers.get("A1_federated", {}).get("guarantee", "user-level"),
+                "guarantee": _guarantee(
+                    tiers.get("A1_federated", {}).get("guarantee", "user-level"), caveats.get(A1)
+                ),
                 "contributions_per_round_noised": tiers.get("A1_federated", {}).get(
                     "contributions_per_round_noised", []
                 ),
                 "epsilon": fed.get("epsilon_a1_user_level"),
+                "caveat": caveats.get(A1),  # the epsilon bounds nothing (results.caveat)
             },
             "A2_anonymized": {
                 "uploads": fed.get("uploads_a2", 0),
-                "guarantee": tiers.get("A2_anonymized", {}).get("guarantee", "record-level"),
+                "guarantee": _guarantee(
+                    tiers.get("A2_anonymized", {}).get("guarantee", "record-level"), caveats.get(A2)
+                ),
                 "data_categories_noised": tiers.get("A2_anonymized", {}).get("data_categories_noised"),
                 "epsilon": fed.get("epsilon_a2_record_level"),
+                "caveat": caveats.get(A2),
             },
             "counts_noised": bool(fed.get("counts_noised")),
             "noised_figures": contributed.get("noised_figures"),
@@ -319,6 +327,9 @@ def _version_manifest(
     # an epsilon is published when its mechanism ran (> 0); None: no player data, or no guarantee
     # (fed["no_privacy"]). The counts from a federation are noised estimates (issue 20).
     epsilon_a2 = fed.get("epsilon_a2_record_level") or None
+    # an epsilon above results.MEANINGFUL_EPSILON bounds nothing: its caveat (the federation's
+    # metadata, one home for the wording) is said beside it, in the guarantees too
+    caveats = privacy_caveats(fed) if fed else {}
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "version_id": str(uuid.uuid4()),
@@ -341,9 +352,10 @@ def _version_manifest(
             # the privacy report (issue 14): each guarantee's level, the A.1 mechanism in full (N, q,
             # expected cohort, z, C, T, delta, accountant, sampling) and the empirical audit beside it
             "guarantees": {
-                "A1_federated": "user-level" if fed else None,
-                "A2_anonymized": "record-level" if fed else None,
+                "A1_federated": _guarantee("user-level", caveats.get(A1)) if fed else None,
+                "A2_anonymized": _guarantee("record-level", caveats.get(A2)) if fed else None,
             },
+            "caveats": caveats,
             "a1_mechanism": fed.get("a1_mechanism"),
             "audit_epsilon_lower_bound": (fed.get("audit") or {}).get("audit_epsilon_lower_bound"),
             "audit": fed.get("audit"),
@@ -362,6 +374,12 @@ def _version_manifest(
         "never_shared"
     ]
     return manifest
+
+
+def _guarantee(level: str, caveat: str | None) -> str:
+    """A tier's guarantee as published: its level, and beside it the caveat of an epsilon that
+    bounds nothing ("user-level; NO MEANINGFUL GUARANTEE: epsilon 11,112 > 10 bounds nothing ...")."""
+    return f"{level}; {caveat}" if caveat else level
 
 
 def _recipe_ref(

@@ -122,3 +122,22 @@ def test_the_simulator_selects_the_same_cohorts_and_releases_the_same_aggregate(
     again = simulator.run(SETTINGS, tmp_path / "sim", np.random.default_rng(SEED))
     assert again.records == state.records
     assert json.loads((tmp_path / "sim" / "simulation.json").read_text())["round"] == 3
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_heldout_set_is_no_contributors_stream(seed: int) -> None:
+    """The server's held-out set was drawn from seed 10_000 + seed, which is contributor
+    10_000 - 999 seed's own generator seed (``seed * 1000 + i``): at N = 10^5 and seed 0 the
+    held-out set was contributor 10,000's entries under another name. It now has its own seed
+    namespace (a spawn key), apart from every integer seed below 2**128."""
+    from nimmer_train.federation.population import heldout_seed
+    from nimmer_train.memory.synthetic import heldout_examples
+
+    clash = 10_000 - 999 * seed  # the contributor whose seed the old held-out seed was
+    old = np.random.SeedSequence(10_000 + seed).generate_state(4)
+    assert (old == np.random.SeedSequence(seed * 1000 + clash).generate_state(4)).all()  # the defect
+    new = heldout_seed(seed).generate_state(4)
+    assert not (new == np.random.SeedSequence(seed * 1000 + clash).generate_state(4)).any()
+    assert (new == np.random.SeedSequence(seed + 2**128).generate_state(4)).all()  # the nearest int
+    assert heldout_examples(40, heldout_seed(seed)) == heldout_examples(40, heldout_seed(seed))
+    assert heldout_examples(40, heldout_seed(seed)) != heldout_examples(40, 10_000 + seed)
