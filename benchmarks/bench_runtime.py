@@ -42,11 +42,10 @@ def _serial_path(releases: Path, trusted: Path) -> Any:
     """The pre-engine LocalModel.generate, kept here as the baseline (one request at a time)."""
     import torch
 
-    from nimmer_train.base.tokenizer import end_of_turn_ids
     from nimmer_train.publish.signing import Keyring
     from nimmer_train.publish.versions import load_verified, open_version
-    from nimmer_train.runtime.structured import SchemaMask, bounded, chars_per_token
     from nimmer_train.voice.sampling import NEUTRAL_WARPERS, knob_processors
+    from nimmer_train.voice.structured import SchemaMask, bounded, chars_per_token, end_of_turn_ids
 
     model, tokenizer = load_verified(open_version(releases, "v1", Keyring.load(trusted)))
     stop_ids, density, lock = end_of_turn_ids(tokenizer), chars_per_token(tokenizer), threading.Lock()

@@ -62,6 +62,7 @@ def run_all(cfg: Config) -> RunAllResult:
     from nimmer_train.federation.stage import federate_stage
     from nimmer_train.loras.stage import train_loras_stage
     from nimmer_train.publish.stage import publish_stage
+    from nimmer_train.runtime.voice_eval import candidate_report
 
     speak = None
     with tracking.stage_run(cfg, "run_all", "run_all"):
@@ -71,7 +72,7 @@ def run_all(cfg: Config) -> RunAllResult:
         loras = train_loras_stage(cfg, corpus, synth, base.path, pipeline="run_all")
         federation = federate_stage(cfg, loras, pipeline="run_all") if cfg.federated.enabled else None
         published = (
-            publish_stage(cfg, base.path, loras, federation, pipeline="run_all")
+            publish_stage(cfg, base.path, loras, federation, pipeline="run_all", voice=candidate_report)
             if cfg.publish.enabled
             else None
         )

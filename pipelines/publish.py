@@ -10,8 +10,9 @@ from pipelines.entry import pipeline
 def main(cfg: Config) -> None:
     from nimmer_train.publish.listing import print_versions
     from nimmer_train.publish.stage import publish_stage  # after the config check
+    from nimmer_train.runtime.voice_eval import candidate_report
 
-    publish_stage(cfg)
+    publish_stage(cfg, voice=candidate_report)
     print_versions(Path(cfg.publish.releases_dir))
 
 

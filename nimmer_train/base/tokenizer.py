@@ -70,9 +70,6 @@ def _batches(texts: Iterable[str], size: int = 256) -> Iterator[list[str]]:
         yield batch
 
 
-_PROBE = "nimmerprobe"
-
-
 _PROBES = (  # what the pipeline renders: a system prompt, turns, replies, the generation prompt
     [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
     [
@@ -120,24 +117,6 @@ def training_template(tokenizer: PreTrainedTokenizerBase) -> str:
         "ChatML; add the markers to tokenizer_config.json's chat_template (see CHAT_TEMPLATE in "
         "nimmer_train/base/tokenizer.py)"
     )
-
-
-def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The ids that end an assistant turn, for every decoder to stop at: the chat template's
-    end-of-turn token (the special token right after an assistant message's content:
-    ``<|im_end|>`` here, ``<end_of_turn>`` for Gemma), then the tokenizer's EOS (which the
-    register adapters never learn to emit; kept for bare pretrained bases)."""
-    ids: list[int] = []
-    if tokenizer.chat_template:
-        conversation = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
-        text = tokenizer.apply_chat_template(conversation, tokenize=False)
-        after = text.split(_PROBE, 1)[1] if _PROBE in text else ""
-        first = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
-        added = set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)
-        ids += [i for i in first if i in added]
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(int(tokenizer.eos_token_id))
-    return ids
 
 
 def load_pretrained(name_or_path: str) -> PreTrainedTokenizerBase:

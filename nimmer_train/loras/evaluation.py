@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from nimmer_train.base.tokenizer import end_of_turn_ids
 from nimmer_train.config import LoraConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import load_all
@@ -40,6 +39,7 @@ from nimmer_train.loras.train import Conversation, encode, token_losses
 from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, render_reply_spans
 from nimmer_train.voice.registers import RegistersConfig
 from nimmer_train.voice.sampling import NEUTRAL_WARPERS, baseline, knob_processors
+from nimmer_train.voice.structured import end_of_turn_ids
 
 TOKEN_CLASSES = ("utterance", "fields", "format")
 EVAL_SETS = ("r1", "r0")

@@ -38,7 +38,7 @@ from nimmer_train.loras.adapters import WEIGHTS, base_identity, read_metadata
 from nimmer_train.publish import card
 from nimmer_train.publish.listing import A1, A2, privacy_caveats
 from nimmer_train.publish.manifest import FORMAT, SIGNATURE, manifest_bytes, release_files
-from nimmer_train.publish.registry import Registry, Version, label_of
+from nimmer_train.publish.registry import REGISTRY_FILE, Registry, Version, label_of
 from nimmer_train.publish.signing import load_private, sign, signature_bytes
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,17 @@ def content_fingerprint(req: PublishRequest) -> str:
             "loras": sorted(read_manifest(p)["fingerprint"] for p in req.loras),
         }
     )
+
+
+def already_published(releases: Path, req: PublishRequest) -> bool:
+    """True when the registry holds a version with ``req``'s content (publishing returns it as is)."""
+    if not (releases / REGISTRY_FILE).exists():
+        return False
+    registry = Registry.open(releases)
+    try:
+        return registry.by_fingerprint(content_fingerprint(req)) is not None
+    finally:
+        registry.close()
 
 
 def _corpus_refs(req: PublishRequest, base_manifest: dict[str, Any], merged: dict[str, Any] | None) -> dict:

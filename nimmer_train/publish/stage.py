@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,7 +21,7 @@ from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import METADATA
 from nimmer_train.publish import mlflow_registry
 from nimmer_train.publish.registry import Registry, Version
-from nimmer_train.publish.release import PublishRequest, publish_version
+from nimmer_train.publish.release import PublishRequest, already_published, publish_version
 from nimmer_train.publish.signing import generate_key
 
 if TYPE_CHECKING:
@@ -118,14 +119,19 @@ def _promote_first(releases: Path, first: Version) -> None:
     )
 
 
-def _voice(cfg: Config, releases: Path, req: PublishRequest) -> VoiceReport | None:
-    """The voice report for ``req``'s model card; None when publish.voice_eval is off or the
-    content is already published (its card already has one)."""
-    from nimmer_train.publish.voice import already_published, voice_report
+VoiceMeasure = Callable[[Config, PublishRequest], "VoiceReport | None"]
+"""Measures a publish request's voice report (``nimmer_train.runtime.voice_eval.candidate_report``:
+the runtime sits above publish, so the caller passes it in)."""
 
-    if not cfg.publish.voice_eval.enabled or already_published(releases, req):
+
+def _voice(
+    cfg: Config, releases: Path, req: PublishRequest, measure: VoiceMeasure | None
+) -> VoiceReport | None:
+    """The voice report for ``req``'s model card; None when publish.voice_eval is off, no measure
+    was given or the content is already published (its card already has one)."""
+    if measure is None or not cfg.publish.voice_eval.enabled or already_published(releases, req):
         return None
-    return voice_report(cfg, req)
+    return measure(cfg, req)
 
 
 def _log_voice(report: VoiceReport, run_id: str | None) -> None:
@@ -150,10 +156,15 @@ def publish_stage(
     loras: LoraResult | None = None,
     federation: FederationResult | None = None,
     pipeline: str = "publish",
+    voice: VoiceMeasure | None = None,
 ) -> PublishResult:
     """Publish the built base (and, after a federation, the base with its adapter merged in) as
-    signed versions in the registry, synced to the MLflow Model Registry."""
+    signed versions in the registry, synced to the MLflow Model Registry. ``voice`` measures each
+    new version's voice report for its model card (when publish.voice_eval is on); the entry
+    points pass ``nimmer_train.runtime.voice_eval.candidate_report``."""
     p = cfg.publish
+    if voice is None and p.voice_eval.enabled:
+        log.warning("publish: no voice report measured (publish_stage was given no voice measure)")
     releases = Path(p.releases_dir).resolve()
     base = _base_dir(cfg, base_dir)  # every input is checked before anything is written
     adapters = _loras(cfg, base, loras)
@@ -171,16 +182,16 @@ def publish_stage(
     published = []
     with tracking.stage_run(cfg, pipeline, "publish") as run_id:
         for req in requests:
-            voice = _voice(cfg, releases, req)
-            if voice is not None:
-                req = dataclasses.replace(req, voice=voice.summary())
+            report = _voice(cfg, releases, req, voice)
+            if report is not None:
+                req = dataclasses.replace(req, voice=report.summary())
             version, new = publish_version(releases, key, req)
             published.append(version)
             print(
                 f"publish: {version.label} {'published' if new else 'already published'} at {version.folder}"
             )
-            if voice is not None:
-                _log_voice(dataclasses.replace(voice, version=version.label), run_id)
+            if report is not None:
+                _log_voice(dataclasses.replace(report, version=version.label), run_id)
         if p.promote_first:
             _promote_first(releases, published[0])
         if run_id:

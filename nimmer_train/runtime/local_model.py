@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nimmer_train.base.tokenizer import end_of_turn_ids
 from nimmer_train.errors import NimmerError
 from nimmer_train.publish.signing import Keyring
 from nimmer_train.publish.versions import CompatibilityError, VerifiedVersion, load_verified, open_version
 from nimmer_train.runtime.engine import Delta, Done, Engine, Event, Failed, Job, random_seed
-from nimmer_train.runtime.structured import RowGrammar, bounded, chars_per_token
 from nimmer_train.voice.sampling import SamplingKnobs
+from nimmer_train.voice.structured import RowGrammar, bounded, chars_per_token, end_of_turn_ids
 
 log = logging.getLogger(__name__)
 

@@ -27,15 +27,15 @@ from nimmer_train.runtime.local_model import LocalModel
 from nimmer_train.runtime.rings import RingA, RingB, RingConfig
 from nimmer_train.runtime.selection import SelectionConfig
 from nimmer_train.runtime.turn import NpcRuntime, Turn, TurnRequest
-from nimmer_train.voice.prompt_dsl import AffectState
-from nimmer_train.voice.quality import (
-    VoiceReport,
+from nimmer_train.runtime.voice_eval import (
     heldout_of_adapters,
     heldout_of_config,
     recorded_heldout,
     recorded_settings,
     voice_eval,
 )
+from nimmer_train.voice.prompt_dsl import AffectState
+from nimmer_train.voice.quality import VoiceReport
 
 TURNS_FILE = "turns.json"
 VOICE_FILE = "voice_report.json"

@@ -1,13 +1,11 @@
-"""The voice report (``voice_eval``): how a version's NPCs speak, measured on a fixed, seeded set
-of turns per register generated through Ring A. Publish writes it into each new version's model
-card (before signing, on the very weights and LoRAs it publishes); the speak stage measures the
+"""The voice report's figures: how a version's NPCs speak, scored on turns generated through
+Ring A. This module holds what needs nothing above the voice layer: the metrics, the register
+classifier trained on the seed set, the report (:class:`VoiceReport`, :func:`score`) and its text.
+Drawing the prompts (from the scenes held out of the adapters' training sets), generating the
+turns through Ring A's ``LocalModel`` and ``voice_eval`` live in
+:mod:`nimmer_train.runtime.voice_eval`; publish writes the report into each new version's model
+card (before signing, on the very weights and LoRAs it publishes) and the speak stage measures the
 version it loaded with the same set (the settings and held-out scenes its manifest records).
-
-Prompts: ``turns_per_register`` DSL prompts per register drawn (seeded) from the scenes held out
-of the adapters' training sets (:class:`Heldout`: each adapter's synthetic corpus lists them in
-its ``stats.json``; the current config's ``curation.validation_fraction`` only when no record is
-found, and the report says which), rendered as Ring A renders them, with the runtime's knobs for
-the prompt's traits and affect, under the turn schema.
 
 Every figure but distinct-2 and mean words is per reply, over **all** of a register's turns (a
 reply that fails the schema counts as 0 English, not speaking, a register miss); the overall row
@@ -45,25 +43,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import time
 from collections import Counter
-from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from nimmer_train.errors import NimmerError
-from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, ReplyError, TurnPrompt, render_compact, validate_reply
-
-if TYPE_CHECKING:
-    from nimmer_train.config import VoiceEvalConfig
-    from nimmer_train.runtime.local_model import LocalModel
-    from nimmer_train.voice.composition import CompositionConfig
-    from nimmer_train.voice.registers import RegistersConfig
+from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, ReplyError, validate_reply
 
 ENGLISH_ZIPF = 2.5
 SHORT_ZIPF = {2: 5.0, 3: 4.0}  # fragments of 2-3 letters ("er" 4.2, "th" 4.2, "bal" 3.1) sit below
@@ -521,180 +510,3 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         for sample in row["samples"][:1]:
             lines.append(f"  e.g. [{row['register']}] {sample[:120]!r}")
     return lines
-
-
-# --- the held-out scenes -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Heldout:
-    """The scenes the prompts come from (empty: every scene) and where that list comes from."""
-
-    scenes: tuple[str, ...]
-    source: str
-
-
-def heldout_of_synths(fingerprints: Collection[str], artifacts: Path) -> Heldout | None:
-    """The scenes held out of every one of these synthetic corpora (``heldout_scenes`` of each
-    ``artifacts/synth/*-<fingerprint[:12]>/stats.json``); None when one is not found."""
-    held: list[set[str]] = []
-    for fp in sorted(set(fingerprints)):
-        found = sorted((artifacts / "synth").glob(f"*-{fp[:12]}/stats.json"))
-        stats = json.loads(found[0].read_text()) if found else {}
-        if "heldout_scenes" not in stats:
-            return None
-        held.append(set(stats["heldout_scenes"]))
-    if not held:
-        return None
-    common = tuple(sorted(set.intersection(*held)))
-    names = ", ".join(fp[:12] for fp in sorted(set(fingerprints)))
-    return Heldout(common, f"held out of the adapters' training sets (synth {names}, stats.json)")
-
-
-def heldout_of_adapters(folders: Collection[Path], artifacts: Path) -> Heldout | None:
-    """:func:`heldout_of_synths` of the corpora these adapters were trained on (their metadata's
-    ``datasets.synth``); None without adapters or a record."""
-    from nimmer_train.loras.adapters import read_metadata
-
-    fps = [read_metadata(folder).get("datasets", {}).get("synth") for folder in folders]
-    if not fps or None in fps:
-        return None
-    return heldout_of_synths([str(fp) for fp in fps], artifacts)
-
-
-def heldout_of_config(composition: CompositionConfig, validation_fraction: float) -> Heldout:
-    """The fallback: the scenes the current config's ``curation.validation_fraction`` holds out."""
-    from nimmer_train.synth.synthesize import heldout_scenes
-
-    held = heldout_scenes([s.name for s in composition.scenes], validation_fraction)
-    return Heldout(
-        tuple(sorted(held)),
-        f"no record of the adapters' training sets: the current config's curation.validation_fraction "
-        f"{validation_fraction:g}",
-    )
-
-
-def recorded_heldout(manifest: dict[str, Any]) -> Heldout | None:
-    """The held-out scenes a version's manifest records (its voice report's settings), or None."""
-    s = (manifest.get("voice_report") or {}).get("settings") or {}
-    if "heldout_scenes" not in s:
-        return None
-    return Heldout(tuple(s["heldout_scenes"]), f"recorded at publish: {s.get('heldout_source', '?')}")
-
-
-def recorded_settings(cfg: VoiceEvalConfig, manifest: dict[str, Any]) -> VoiceEvalConfig:
-    """``cfg`` with the turns, token budget and seed a version's voice report was measured with."""
-    s = (manifest.get("voice_report") or {}).get("settings") or {}
-    keys = ("turns_per_register", "max_new_tokens", "seed")
-    return dataclasses.replace(cfg, **{k: s[k] for k in keys if isinstance(s.get(k), int)})
-
-
-# --- generation through Ring A -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EvalPrompt:
-    register: str
-    scene: str
-    prompt: TurnPrompt
-    seed: int
-
-
-def eval_prompts(
-    catalogue: RegistersConfig,
-    composition: CompositionConfig,
-    registers: list[str],
-    per_register: int,
-    seed: int,
-    scenes: Collection[str],
-) -> list[EvalPrompt]:
-    """``per_register`` prompts per register, a seeded draw from the composition's prompts in
-    ``scenes`` (every scene when empty), each with its own generation seed."""
-    from nimmer_train.voice.composition import expand
-
-    spec = dataclasses.replace(composition, registers=None, per_register=None)
-    held = set(scenes) or {s.name for s in spec.scenes}
-    requests = [r for r in expand(spec, catalogue) if r.tags["scene"] in held]
-    out: list[EvalPrompt] = []
-    for index, name in enumerate(registers):
-        pool = [r for r in requests if r.register == name]
-        if not pool:
-            raise NimmerError(
-                f"the composition {composition.name!r} has no prompt for register {name!r} in the "
-                f"held-out scenes {sorted(held)}"
-            )
-        order = np.random.default_rng([seed, index]).permutation(len(pool))
-        picks = [pool[order[i % len(pool)]] for i in range(per_register)]
-        out += [
-            EvalPrompt(name, str(r.tags["scene"]), r.prompt, seed * 100_003 + len(out) + i)
-            for i, r in enumerate(picks)
-        ]
-    return out
-
-
-def generate_turns(
-    model: LocalModel, catalogue: RegistersConfig, prompts: list[EvalPrompt], max_new_tokens: int
-) -> list[GeneratedTurn]:
-    """Each prompt spoken through Ring A (compact DSL, the register's LoRA or, for the merged
-    register, the weights alone, the runtime's knobs, the schema's grammar), all submitted
-    together so that the engine batches them."""
-    from nimmer_train.voice.sampling import for_turn
-
-    speaking = {*model.registers, *([model.merged_register] if model.merged_register else [])}
-
-    def one(p: EvalPrompt) -> GeneratedTurn:
-        a = p.prompt.affect_state
-        knobs = for_turn(catalogue, p.register, p.prompt.trait_vector, a.arousal, a.valence)
-        knobs = dataclasses.replace(knobs, max_new_tokens=max_new_tokens)
-        adapter = p.register if p.register in speaking else None  # none speak: the bare weights
-        started = time.perf_counter()
-        try:
-            out = model.generate(render_compact(p.prompt), adapter, knobs, p.prompt.output_schema, p.seed)
-        except NimmerError as exc:
-            return GeneratedTurn(p.register, None, time.perf_counter() - started, str(exc))
-        return GeneratedTurn(p.register, out.text, out.seconds)
-
-    with ThreadPoolExecutor(max_workers=max(1, min(16, len(prompts)))) as pool:
-        return list(pool.map(one, prompts))
-
-
-def voice_eval(
-    model: LocalModel,
-    cfg: VoiceEvalConfig,
-    catalogue: RegistersConfig,
-    composition: CompositionConfig,
-    heldout: Heldout,
-    evaluation: dict[str, Any] | None = None,
-    version: str | None = None,
-) -> VoiceReport:
-    """The voice report of ``model``: the registers it speaks (its LoRAs and the merged one; every
-    catalogue register on the bare weights when it has none) on ``heldout``'s scenes,
-    ``evaluation`` the register LoRAs' held-out evaluation summary whose headline rides along."""
-    started = time.perf_counter()
-    classifier = seed_classifier(Path(cfg.seed_set))
-    speaking = sorted({*model.registers, *([model.merged_register] if model.merged_register else [])})
-    registers = speaking or catalogue.names
-    prompts = eval_prompts(
-        catalogue, composition, registers, cfg.turns_per_register, cfg.seed, heldout.scenes
-    )
-    turns = generate_turns(model, catalogue, prompts, cfg.max_new_tokens)
-    settings = {
-        "ring": "ring A",
-        "turns_per_register": cfg.turns_per_register,
-        "max_new_tokens": cfg.max_new_tokens,
-        "seed": cfg.seed,
-        "adapters": {r: (r if r in model.registers else None) for r in registers},
-        "merged_register": model.merged_register,
-        "scenes": sorted({p.scene for p in prompts}),
-        "heldout_scenes": list(heldout.scenes),
-        "heldout_source": heldout.source,
-        "errors": sorted({t.error for t in turns if t.error}),
-    }
-    return score(
-        turns,
-        classifier,
-        version or model.label,
-        settings,
-        heldout_summary(evaluation),
-        time.perf_counter() - started,
-    )

@@ -10,13 +10,13 @@ from typing import Any
 
 import httpx
 
-from nimmer_train.base.tokenizer import end_of_turn_ids
 from nimmer_train.config import TeacherConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.synth.teacher.base import Teacher, TeacherFatalError, TeacherReply
 from nimmer_train.synth.teacher.http import post_with_retries
 from nimmer_train.voice.composition import GenerationRequest
 from nimmer_train.voice.sampling import NEUTRAL_WARPERS, knob_processors
+from nimmer_train.voice.structured import end_of_turn_ids
 
 EXTRA_KNOBS = ("top_k", "repetition_penalty", "min_p")
 TURN_TOOL = "npc_turn"
@@ -180,7 +180,7 @@ class Replay:
 
 
 class BatchSchemaMask:
-    """One :class:`~nimmer_train.runtime.structured.RowGrammar` per row of a batched HF
+    """One :class:`~nimmer_train.voice.structured.RowGrammar` per row of a batched HF
     ``generate``: each row may only continue a reply valid under its turn's output_schema (in the
     training format, closing within the budget); a row that has ended its turn is left alone."""
 
@@ -218,7 +218,7 @@ class HFLocal:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from nimmer_train.runtime.structured import chars_per_token
+        from nimmer_train.voice.structured import chars_per_token
 
         path = Path(str(cfg.model_path))
         if not (path / "config.json").exists():
@@ -244,7 +244,7 @@ class HFLocal:
         """The schema mask for ``batch`` (first, so that the knobs act on allowed tokens only)."""
         if not self.cfg.json_mode:
             return []
-        from nimmer_train.runtime.structured import RowGrammar, bounded
+        from nimmer_train.voice.structured import RowGrammar, bounded
 
         def count(text: str) -> int:
             return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])

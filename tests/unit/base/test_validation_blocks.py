@@ -12,8 +12,9 @@ import torch
 
 from nimmer_train.base.modeling import build_model
 from nimmer_train.base.pretrain import evaluate, validation_indices
-from nimmer_train.base.tokenizer import end_of_turn_ids, train_bpe
+from nimmer_train.base.tokenizer import train_bpe
 from nimmer_train.config import ModelConfig, TrainConfig
+from nimmer_train.voice.structured import end_of_turn_ids
 
 SEQ = 16
 

@@ -16,11 +16,11 @@ from datasets import load_from_disk
 from jsonschema import validate
 from transformers import AutoTokenizer
 
-from nimmer_train.base.tokenizer import end_of_turn_ids, train_bpe
+from nimmer_train.base.tokenizer import train_bpe
 from nimmer_train.corpus.ingest import ingest
 from nimmer_train.loras.train import encode
-from nimmer_train.runtime.structured import SchemaMask, bounded, chars_per_token
 from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, render_reply, validate_reply
+from nimmer_train.voice.structured import SchemaMask, bounded, chars_per_token, end_of_turn_ids
 from tests.helpers.compose import config
 from tests.helpers.outputs import base_dir, synth_dir
 

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import validate
 
-from nimmer_train.base.tokenizer import end_of_turn_ids, train_bpe
-from nimmer_train.runtime.structured import SchemaMask, bounded, chars_per_token
+from nimmer_train.base.tokenizer import train_bpe
 from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, render_reply, validate_reply
+from nimmer_train.voice.structured import SchemaMask, bounded, chars_per_token, end_of_turn_ids
 
 TEXTS = ["Citizen, we have recorded your presence at Gate Seven. Return to your corridor. " * 30] * 8
 

@@ -1,5 +1,6 @@
-"""The voice report (nimmer_train/voice/quality.py): its figures on hand-made lines, and the report
-in a published version's model card and beside the speak stage's turns."""
+"""The voice report (nimmer_train/voice/quality.py, measured through Ring A by
+nimmer_train/runtime/voice_eval.py): its figures on hand-made lines, and the report in a published
+version's model card and beside the speak stage's turns."""
 
 from __future__ import annotations
 
@@ -10,26 +11,28 @@ from pathlib import Path
 import pytest
 
 from nimmer_train.artifacts import README, REPO_ROOT
+from nimmer_train.runtime.voice_eval import (
+    Heldout,
+    eval_prompts,
+    heldout_of_adapters,
+    heldout_of_config,
+    recorded_heldout,
+    recorded_settings,
+)
 from nimmer_train.voice.quality import (
     GOALS,
     NONE,
     GeneratedTurn,
-    Heldout,
     SeedLine,
     copies,
     copy_grams,
     distinct_n,
     english_rate,
-    eval_prompts,
     fit_classifier,
-    heldout_of_adapters,
-    heldout_of_config,
     heldout_summary,
     is_english,
     mean_words,
     parse_reply,
-    recorded_heldout,
-    recorded_settings,
     report_lines,
     score,
     seed_classifier,
@@ -266,6 +269,24 @@ def test_a_stale_voice_report_is_removed_when_voice_eval_is_off(tmp_path: Path) 
     assert not stale.exists()
 
 
+def test_publish_takes_its_voice_measure_from_its_caller(tmp_path: Path) -> None:
+    """publish sits below the runtime: publish_stage measures with the function it is given
+    (run_all and pipelines.publish pass runtime.voice_eval.candidate_report), none without one."""
+    from nimmer_train.publish.release import PublishRequest
+    from nimmer_train.publish.stage import _voice
+    from tests.helpers.compose import config
+
+    req, calls = PublishRequest(tmp_path / "base", []), []
+
+    def measure(cfg: object, r: PublishRequest) -> str:
+        calls.append(r)
+        return "report"
+
+    assert _voice(config(), tmp_path, req, None) is None  # no registry here: not yet published
+    assert _voice(config("publish.voice_eval.enabled=false"), tmp_path, req, measure) is None  # type: ignore[arg-type]
+    assert _voice(config(), tmp_path, req, measure) == "report" and calls == [req]  # type: ignore[arg-type]
+
+
 def test_the_seed_classifier_knows_each_registers_style() -> None:
     """The catalogue's exemplar lines (not in the seed set) land in their own register well above
     chance; the classifier's own leave-one-scene-out accuracy on the seed set is its ceiling."""
@@ -306,12 +327,12 @@ def test_publish_card_and_speak_output_carry_the_voice_report(tmp_path: Path) ->
     """A version published here (tests/helpers/published.py): the report of what a request would
     publish goes into the new version's card and manifest; the speak stage's report of a loaded
     version is written beside its turns."""
-    from nimmer_train.publish.release import PublishRequest, publish_version
+    from nimmer_train.publish.release import PublishRequest, already_published, publish_version
     from nimmer_train.publish.signing import Keyring
     from nimmer_train.publish.versions import open_version
-    from nimmer_train.publish.voice import already_published, voice_report
     from nimmer_train.runtime.local_model import LocalModel
     from nimmer_train.runtime.stage import VOICE_FILE, _voice
+    from nimmer_train.runtime.voice_eval import candidate_report
     from tests.helpers.compose import config
     from tests.helpers.published import publish_registers
 
@@ -321,7 +342,7 @@ def test_publish_card_and_speak_output_carry_the_voice_report(tmp_path: Path) ->
     adapters = sorted((tmp_path / "adapters").iterdir())
     assert already_published(releases, PublishRequest(base, adapters))
     req = PublishRequest(base, adapters[:2])
-    report = voice_report(cfg, req)
+    report = candidate_report(cfg, req)
     assert [r.register for r in report.registers] == sorted(a.name for a in adapters[:2])
     assert report.overall.turns == 4 and report.settings["adapters"] == {a.name: a.name for a in adapters[:2]}
     req = dataclasses.replace(req, voice=report.summary())  # as publish_stage does

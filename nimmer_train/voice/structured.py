@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from nimmer_train.base.tokenizer import end_of_turn_ids
 from nimmer_train.voice.prompt_dsl import REPLY_GRAMMAR_OPTIONS, render_reply
 from nimmer_train.voice.registers import load_catalogue
 
@@ -39,6 +38,27 @@ def _grammar(schema_json: str) -> str:
 
     # the key is the schema as written: property order is part of the format (never sort_keys)
     return LLMatcher.grammar_from_json_schema(json.loads(schema_json), defaults=REPLY_GRAMMAR_OPTIONS)
+
+
+_PROBE = "nimmerprobe"
+
+
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """The ids that end an assistant turn, for every decoder to stop at: the chat template's
+    end-of-turn token (the special token right after an assistant message's content:
+    ``<|im_end|>`` here, ``<end_of_turn>`` for Gemma), then the tokenizer's EOS (which the
+    register adapters never learn to emit; kept for bare pretrained bases)."""
+    ids: list[int] = []
+    if tokenizer.chat_template:
+        conversation = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+        after = text.split(_PROBE, 1)[1] if _PROBE in text else ""
+        first = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+        added = set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)
+        ids += [i for i in first if i in added]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    return ids
 
 
 def reply_matcher(tokenizer: Any, schema: dict[str, Any], n_vocab: int) -> Any:
