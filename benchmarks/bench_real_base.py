@@ -56,7 +56,7 @@ ROUNDS = (0, 1)  # training runs per side, alternated bare, project, project, ba
 
 def _turns(registers: tuple[str, ...], tokens: int) -> list[tuple[Any, Any, Any]]:
     """(TurnPrompt, Register, greedy knobs) per register: the runtime's compact turn."""
-    from nimmer_train.voice.prompt_dsl import AffectState, MemoryScope, TurnPrompt
+    from benchmarks.bench_runtime import gate_prompt
     from nimmer_train.voice.registers import load_catalogue
     from nimmer_train.voice.sampling import SamplingKnobs
 
@@ -67,16 +67,7 @@ def _turns(registers: tuple[str, ...], tokens: int) -> list[tuple[Any, Any, Any]
     out = []
     for i, name in enumerate(registers):
         spec = catalogue.get(name)
-        prompt = TurnPrompt(
-            role=spec.role,
-            trait_vector=spec.traits,
-            affect_state=AffectState("watchful", valence=-0.1, arousal=0.5),
-            memory_scope=MemoryScope(),
-            turn_intent="answer the player in your own register",
-            zone_context=f"the lower ring at dusk, by gate {i % 7}",
-            player_utterance="What news from the gate tonight?",
-        )
-        out.append((prompt, spec, greedy))
+        out.append((gate_prompt(spec, i), spec, greedy))
     return out
 
 

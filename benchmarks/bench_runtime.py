@@ -83,12 +83,24 @@ def _serial_path(releases: Path, trusted: Path) -> Any:
     return generate
 
 
+def gate_prompt(spec: Any, i: int) -> Any:
+    """The benchmarks' NPC turn for register ``spec``: the player asks for news at gate ``i % 7``."""
+    from nimmer_train.voice.prompt_dsl import AffectState, MemoryScope, TurnPrompt
+
+    return TurnPrompt(
+        role=spec.role,
+        trait_vector=spec.traits,
+        affect_state=AffectState("watchful", valence=-0.1, arousal=0.5),
+        memory_scope=MemoryScope(),
+        turn_intent="answer the player in your own register",
+        zone_context=f"the lower ring at dusk, by gate {i % 7}",
+        player_utterance="What news from the gate tonight?",
+    )
+
+
 def _workload(registers: list[str], tokens: int, turns: int) -> list[tuple[Any, ...]]:
     from nimmer_train.voice.prompt_dsl import (
         TURN_SCHEMA,
-        AffectState,
-        MemoryScope,
-        TurnPrompt,
         render_compact,
     )
     from nimmer_train.voice.registers import load_catalogue
@@ -99,15 +111,7 @@ def _workload(registers: list[str], tokens: int, turns: int) -> list[tuple[Any, 
     for i in range(turns):
         register = registers[i % len(registers)]
         spec = catalogue.get(register)
-        prompt = TurnPrompt(
-            role=spec.role,
-            trait_vector=spec.traits,
-            affect_state=AffectState("watchful", valence=-0.1, arousal=0.5),
-            memory_scope=MemoryScope(),
-            turn_intent="answer the player in your own register",
-            zone_context=f"the lower ring at dusk, by gate {i % 7}",
-            player_utterance="What news from the gate tonight?",
-        )
+        prompt = gate_prompt(spec, i)
         knobs = dataclasses.replace(for_turn(catalogue, register, spec.traits), max_new_tokens=tokens)
         out.append((render_compact(prompt), register, knobs, TURN_SCHEMA if i % 2 else None, 1000 + i))
     return out

@@ -109,3 +109,10 @@ def print_summary(cfg: Config, result: RunAllResult) -> None:
         print_versions(Path(cfg.publish.releases_dir))
     if cfg.tracking.enabled:
         print(f"\nReview the runs:\n  {tracking.ui_command(cfg.tracking)}")
+    if cfg.model.tokenizer != "pretrained":  # a base trained from scratch here: fragments, not speech
+        print(
+            f"\nThese voices come from a {cfg.model.name} base trained from scratch in minutes, so the"
+            " turns above are fragments. For NPCs that speak English, the same pipeline on a real"
+            " pretrained base (SmolLM2-135M from its wheel, about 25 minutes on 2 cores):\n"
+            "  make demo EXPERIMENT=real_small"
+        )
