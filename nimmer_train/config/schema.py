@@ -292,6 +292,26 @@ class VoiceEvalConfig:
 
 
 @dataclass
+class RebaseConfig:
+    """Carrying the register LoRAs of version N to N+1 (``nimmer_train/publish/rebase.py``). An
+    inherited LoRA still fits a minor release when, on N+1's weights and the utterance tokens of
+    its register's held-out scenes, it beats the bare base by ``min_gain`` and its best rival
+    adapter by ``min_margin`` (nats/token); otherwise, and always after a major release, it is
+    retrained from its recorded data and recipe (``retrain``) or refused."""
+
+    enabled: bool = True  # run_all runs it after publish when a previous version exists
+    min_gain: float = 0.0  # bare-base loss minus own-adapter loss must be at least this
+    min_margin: float = 0.0  # best rival adapter's loss minus own must be at least this
+    retrain: bool = True  # false: a LoRA that does not fit is refused, never retrained
+    major: bool | None = None  # null: a major release when the architecture or tokenizer changed
+    eval_max_examples: int = 16  # held-out conversations per register in the matrix
+
+    def __post_init__(self) -> None:
+        if self.eval_max_examples < 1:
+            raise ConfigError("publish.rebase.eval_max_examples", "must be >= 1")
+
+
+@dataclass
 class PublishConfig:
     """Publishing versioned bases (``pipelines.publish``; run_all's last stage)."""
 
@@ -309,6 +329,7 @@ class PublishConfig:
     # default); every later one is only `candidate` until `nimmer versions promote vN`
     promote_first: bool = True
     voice_eval: VoiceEvalConfig = field(default_factory=VoiceEvalConfig)  # also run by the speak stage
+    rebase: RebaseConfig = field(default_factory=RebaseConfig)  # LoRAs carried from the previous version
 
 
 @dataclass

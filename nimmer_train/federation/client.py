@@ -38,6 +38,7 @@ from nimmer_train.memory.consent import (
     ConsentRecord,
     contributor_id,
     get_consent,
+    note_device_contribution,
     read_profile,
     takes_part,
     training_examples,
@@ -206,6 +207,7 @@ class Contributor(NumPyClient):
                 epsilon_local=result.epsilon,
                 delta=float(config["delta"]),
             )
+            note_device_contribution(self.node.device)  # the consent record's count and date
         if self.node.device is not None and result.steps:  # a real A.1 update: for clip_mod only
             metrics[A1_UPDATE] = 1
         if self.node.a2_pool is not None and result.steps:  # the server operates this client: it may say how

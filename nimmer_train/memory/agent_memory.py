@@ -11,6 +11,7 @@ class.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import re
@@ -39,6 +40,8 @@ from nimmer_train.memory.crystals import (
     transition,
 )
 from nimmer_train.memory.embedding import Embedder
+from nimmer_train.memory.hormones import STORE as HORMONE_STORE
+from nimmer_train.memory.hormones import Hormones
 from nimmer_train.memory.importance import ImportancePolicy, importance, never_decays
 from nimmer_train.memory.player_memory import Mode, PlayerMemory, as_mode
 from nimmer_train.memory.search import (
@@ -95,6 +98,29 @@ class AgentMemory:
         self.lock = threading.RLock()  # one writer per process: tools, watcher and indexer threads
         self.ingestion_backlog: Callable[[], dict[str, int]] = lambda: {}
         self.scheduler_info: Callable[[], dict[str, object]] = lambda: {}
+        self._hormones: Hormones | None = None
+
+    # -- hormones (issue 17) -------------------------------------------------------------------
+    @property
+    def hormones(self) -> Hormones:
+        """The agent's hormones (``hormones.sqlite`` in its folder, opened on first use)."""
+        with self.lock:
+            if self._hormones is None:
+                self._hormones = Hormones(self.folder, self.clock)
+            return self._hormones
+
+    def search_weights(self, now: float) -> SearchWeights:
+        """The search weights as the hormones modulate them at ``now``: importance x (1 + 0.2 D),
+        recency x (1 + 0.3 C), both relative to rest (see memory/hormones.py). An agent whose
+        hormones were never stored is at rest, so its weights are the configured ones."""
+        if self._hormones is None and not (self.folder / HORMONE_STORE).exists():
+            return self.weights
+        m = self.hormones.modulation(now)
+        return dataclasses.replace(
+            self.weights,
+            importance=self.weights.importance * m.importance_factor,
+            recency=self.weights.recency * m.recency_factor,
+        )
 
     # -- stores -------------------------------------------------------------------------------
     def db(self, store: str) -> apsw.Connection:
@@ -251,9 +277,9 @@ class AgentMemory:
         if max_results < 1:
             raise NimmerError(f"maxResults: {max_results} must be at least 1")
         mode = as_mode(mode)
-        w = self.weights
         q = self.embedder.embed([query])[0] if vector is None else vector
         now = self.clock()
+        w = self.search_weights(now)
         hits: list[tuple[float, float, str, int]] = []
         with self.lock:
             for store in self.stores(mode):
@@ -531,10 +557,26 @@ class AgentMemory:
             "goals": [{"id": g.id, "text": g.text, "stalled": g.entry_id in stalled} for g in goals],
             "user_profile": profile,
             "searches_logged": db.execute("SELECT count(*) FROM memory_search_log").fetchone()[0],
+            "hormonalState": self.hormones.state(self.clock()),
+            **_dream_status(self),
         }
 
     def close(self) -> None:
         self.memory.close()
+        if self._hormones is not None:
+            self._hormones.close()
+
+
+def _dream_status(agent: AgentMemory) -> dict[str, object]:
+    """memory_status's ``curiosity`` (open targets) and ``dreams`` (gate, last cycle, counts)."""
+    from nimmer_train.memory import curiosity  # both build on this module
+    from nimmer_train.memory.dreams import DreamEngine
+
+    state = curiosity.curiosity_state(agent)
+    return {
+        "curiosity": {"targets": state["targets"], "regions": len(state["regions"])},
+        "dreams": DreamEngine(agent).status(),
+    }
 
 
 def note_spec(line: str, path: str | None, line_no: int | None, now: float | None = None) -> CrystalSpec:

@@ -24,3 +24,13 @@ def open_clasp(folder: Path) -> apsw.Connection:
     db = connect(path)
     migrate(db, CLASP_MIGRATIONS, path)
     return db
+
+
+def clear_clasp(db: apsw.Connection) -> int:
+    """Empty the clasp store (the design: its entries "persist until character-death"); returns
+    how many entries went. The file stays, empty; nothing of it is copied anywhere."""
+    with db:
+        count = db.execute("SELECT count(*) FROM entries").fetchone()[0]
+        db.execute("DELETE FROM entries_vec")
+        db.execute("DELETE FROM entries")
+    return int(count)

@@ -18,6 +18,7 @@ test of whether a device joins federated rounds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -47,6 +48,12 @@ class ConsentRecord:
     excluded_categories: tuple[str, ...] = ()
     granted_at: float | None = None
     revoked_at: float | None = None
+    # the design's remaining columns (schema v5), derived from the tier and the contributions
+    anonymization_method: str | None = None
+    benefit_tier: str | None = None
+    last_contribution_at: float | None = None
+    contribution_count: int = 0
+    can_request_deletion: bool = True  # A.1: only updates existed; A.2: forward-only deletion
 
     def __post_init__(self) -> None:
         if self.sharing_tier not in TIERS:
@@ -59,28 +66,77 @@ class ConsentRecord:
             )
 
 
+# design table "Three opt-in tiers": what each tier does to the data, and what the player gets
+ANONYMIZATION = {
+    "A1_federated": "federated_dp_updates_only",
+    "A2_anonymized": "identifier_scrub_dp_sgd",
+    "A3_pseudonymous_full": "pseudonym",
+}
+BENEFITS = {
+    "A1_federated": "backup_discount_badge_early_access",
+    "A2_anonymized": "larger_discount_faster_updates_training_priorities",
+    "A3_pseudonymous_full": "premium_custom_lora_beta_credits",
+}
+COLUMNS = (
+    "sharing_tier, data_categories_shared, excluded_categories, granted_at, revoked_at, "
+    "anonymization_method, benefit_tier, last_contribution_at, contribution_count, can_request_deletion"
+)
+
+
 def get_consent(memory: PlayerMemory) -> ConsentRecord:
-    row = memory.primary.execute(
-        "SELECT sharing_tier, data_categories_shared, excluded_categories, granted_at, revoked_at "
-        "FROM player_data_sharing_consent WHERE id = 1"
-    ).fetchone()
+    row = memory.primary.execute(f"SELECT {COLUMNS} FROM player_data_sharing_consent WHERE id = 1").fetchone()
     if row is None:
         return ConsentRecord()  # the default is opt-out
-    return ConsentRecord(row[0], tuple(json.loads(row[1])), tuple(json.loads(row[2])), row[3], row[4])
+    return ConsentRecord(
+        row[0], tuple(json.loads(row[1])), tuple(json.loads(row[2])), *row[3:8], int(row[8]), bool(row[9])
+    )
 
 
-def set_consent(memory: PlayerMemory, record: ConsentRecord) -> None:
+def set_consent(memory: PlayerMemory, record: ConsentRecord) -> ConsentRecord:
+    """Store ``record`` and return it as stored: the anonymization method and benefit tier
+    follow its sharing tier."""
+    record = dataclasses.replace(
+        record,
+        anonymization_method=ANONYMIZATION.get(record.sharing_tier),
+        benefit_tier=BENEFITS.get(record.sharing_tier),
+    )
     with memory.primary:
         memory.primary.execute(
-            "INSERT OR REPLACE INTO player_data_sharing_consent VALUES (1, ?, ?, ?, ?, ?)",
+            f"INSERT OR REPLACE INTO player_data_sharing_consent (id, {COLUMNS}) "
+            "VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 record.sharing_tier,
                 json.dumps(list(record.data_categories_shared)),
                 json.dumps(list(record.excluded_categories)),
                 record.granted_at,
                 record.revoked_at,
+                record.anonymization_method,
+                record.benefit_tier,
+                record.last_contribution_at,
+                record.contribution_count,
+                int(record.can_request_deletion),
             ),
         )
+    return record
+
+
+def note_contribution(memory: PlayerMemory, now: float | None = None) -> ConsentRecord:
+    """Count one contribution (an A.1 round trained in, an A.2 upload sent) on the record."""
+    old = get_consent(memory)
+    at = now if now is not None else memory.clock()
+    record = dataclasses.replace(old, contribution_count=old.contribution_count + 1, last_contribution_at=at)
+    return set_consent(memory, record)
+
+
+def note_device_contribution(device: Path, now: float | None = None) -> ConsentRecord:
+    """:func:`note_contribution` for a device folder (the federated client holds a path, not a store)."""
+    from nimmer_train.memory.embedding import NoEmbedder
+
+    memory = PlayerMemory(device, NoEmbedder())
+    try:
+        return note_contribution(memory, now)
+    finally:
+        memory.close()
 
 
 def takes_part(record: ConsentRecord, tier: str = "A1_federated") -> str | None:
@@ -117,9 +173,11 @@ def grant(
     if never:
         raise NimmerError(f"categories {never} are never shared (no sync or export path may exist)")
     old = get_consent(memory)
-    record = ConsentRecord(tier, shared, old.excluded_categories, now if now is not None else memory.clock())
-    set_consent(memory, record)
-    return record
+    at = now if now is not None else memory.clock()
+    record = dataclasses.replace(
+        old, sharing_tier=tier, data_categories_shared=shared, granted_at=at, revoked_at=None
+    )
+    return set_consent(memory, record)
 
 
 def revoke(memory: PlayerMemory, now: float | None = None) -> ConsentRecord:
@@ -127,26 +185,16 @@ def revoke(memory: PlayerMemory, now: float | None = None) -> ConsentRecord:
     old = get_consent(memory)
     if old.revoked_at is not None:
         return old
-    record = ConsentRecord(
-        old.sharing_tier,
-        old.data_categories_shared,
-        old.excluded_categories,
-        old.granted_at,
-        now if now is not None else memory.clock(),
-    )
-    set_consent(memory, record)
-    return record
+    record = dataclasses.replace(old, revoked_at=now if now is not None else memory.clock())
+    return set_consent(memory, record)
 
 
 def exclude(memory: PlayerMemory, category: str) -> ConsentRecord:
     """Exclude one data category from sharing, whatever the tier."""
     old = get_consent(memory)
     excluded = tuple(dict.fromkeys([*old.excluded_categories, category]))
-    record = ConsentRecord(
-        old.sharing_tier, old.data_categories_shared, excluded, old.granted_at, old.revoked_at
-    )
-    set_consent(memory, record)
-    return record
+    record = dataclasses.replace(old, excluded_categories=excluded)
+    return set_consent(memory, record)
 
 
 def shareable_categories(record: ConsentRecord, tier: str) -> set[str]:
@@ -279,6 +327,7 @@ def a2_upload(
         memory.primary.execute(
             "INSERT INTO a2_uploads VALUES (?, ?, NULL)", (upload.upload_id, memory.clock())
         )
+    note_contribution(memory)
     contributions.record(
         memory.folder,
         "a2_upload",

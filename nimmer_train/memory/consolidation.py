@@ -21,6 +21,12 @@ Run every 30 minutes of (game) time by :mod:`nimmer_train.memory.scheduler` and 
 A kill at any point leaves every committed step whole and the rest undone; a rerun finishes.
 Frozen crystals (skills) are never touched. Unlike Bitterbot, merge is not gated by a promote
 threshold nor limited to one file (its merges almost never fired).
+
+Hormones (issue 17, memory/hormones.py) modulate a run through :func:`hormonal_policy`: cortisol
+raises the merge threshold, and the decay resistance lengthens the Ebbinghaus half-life by
+1 / (1 - resistance), multiplying with valence's own resistance rather than replacing it. Both are
+relative to rest (an agent at rest consolidates exactly as without hormones) and are read at the
+run's ``now``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import difflib
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -61,6 +67,7 @@ def consolidate(
 ) -> dict[str, object]:
     """One consolidation pass at ``now`` (the agent's clock by default); returns what changed."""
     now = agent.clock() if now is None else now
+    policy = hormonal_policy(agent, now, policy)
     started = time.perf_counter()
     report: dict[str, object] = {"now": now}
     with agent.lock:
@@ -73,6 +80,9 @@ def consolidate(
                 "ttl_expired": _ttl(agent, store, now),
                 "stalled_goals": _stalled_goals(agent, store, now, policy),
             }
+        from nimmer_train.memory import curiosity  # it builds on this module's agent
+
+        report["curiosity"] = curiosity.run(agent, now)  # regions rebuilt, targets refreshed
         report["wall_s"] = round(time.perf_counter() - started, 4)
         db = agent.db("primary")
         with db:
@@ -80,6 +90,19 @@ def consolidate(
             set_meta(db, "consolidation_interval_s", policy.interval_s)
             set_meta(db, "last_consolidation_report", report)
     return report
+
+
+def hormonal_policy(agent: AgentMemory, now: float, policy: ConsolidationPolicy) -> ConsolidationPolicy:
+    """``policy`` as the agent's hormones modulate it at ``now`` (unchanged at rest)."""
+    m = agent.hormones.modulation(now)
+    if m.decay_resistance == 0.0 and m.merge_raise == 0.0:
+        return policy
+    half_life = policy.importance.half_life_s / (1.0 - m.decay_resistance)
+    return replace(
+        policy,
+        merge_threshold=policy.merge_threshold + m.merge_raise,
+        importance=replace(policy.importance, half_life_s=half_life),
+    )
 
 
 def _rescore(agent: AgentMemory, store: str, now: float, policy: ConsolidationPolicy) -> int:

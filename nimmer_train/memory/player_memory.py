@@ -300,7 +300,61 @@ class PlayerMemory:
         if "primary" in self._indexes:
             self._indexes["primary"].remove(removed)
 
+    def character_death(self, working: str = "blur") -> dict[str, list[str]]:
+        """The design's death rules ("Memory classes and pruning", "The clasp store"): cornerstone
+        and birthright stay; volatile memories are lost; the clasp store is cleared; working
+        memories are lost (``working="lose"``) or blurred (``"blur"``: the later half of the words
+        gives way to an ellipsis, importance and valence halve, same event_uid). Returns the
+        event_uids per outcome."""
+        from nimmer_train.memory.clasp import clear_clasp
+
+        if working not in ("lose", "blur"):
+            raise NimmerError(f"working-memory death rule {working!r}; known: lose, blur")
+        entries = self.entries()
+        lost = [
+            e.event_uid
+            for e in entries
+            if e.memory_class == "volatile" or (e.memory_class == "working" and working == "lose")
+        ]
+        blurred = [e for e in entries if e.memory_class == "working" and working == "blur"]
+        self.delete(lost + [e.event_uid for e in blurred])
+        if blurred:
+            self.write_many([_blurred(e) for e in blurred])
+        if self.has_clasp():
+            clear_clasp(self._store("clasp"))
+            self._indexes.pop("clasp", None)
+        kept = [e.event_uid for e in entries if e.memory_class in ("cornerstone", "birthright")]
+        return {"lost": sorted(lost), "blurred": sorted(e.event_uid for e in blurred), "kept": sorted(kept)}
+
+    def respawn(self) -> list[MemoryEntry]:
+        """Restore the starting state the birthright defines: its entries (locked, never lost) with
+        their access history reset as at creation. Returns them."""
+        with self.primary:
+            self.primary.execute(
+                "UPDATE entries SET access_count = 0, last_access = NULL WHERE memory_class = 'birthright'"
+            )
+        return [e for e in self.entries() if e.memory_class == "birthright"]
+
     def close(self) -> None:
         self.primary.close()
         if self._clasp is not None:
             self._clasp.close()
+
+
+def _blurred(entry: MemoryEntry) -> dict[str, object]:
+    """A working memory after death: the first half of its words, then an ellipsis; weaker."""
+    words = entry.text.split()
+    text = " ".join(words[: max(1, (len(words) + 1) // 2)]) + " ..."
+    return {
+        "text": text,
+        "speaker": entry.speaker,
+        "memory_class": "working",
+        "data_category": entry.data_category,
+        "event_uid": entry.event_uid,
+        "semantic_type": entry.semantic_type,
+        "trait_engagement": entry.trait_engagement,
+        "emotional_valence": entry.emotional_valence / 2,
+        "importance": entry.importance / 2,
+        "source_ids": entry.source_ids,
+        "session_id": entry.session_id,
+    }

@@ -5,7 +5,9 @@ pseudonymous contributor id and the ids of A.2 uploads sent (for deletion reques
 knowledge crystals (issue 16; the clasp store's v2): every entry gets a crystal row (lifecycle,
 origin, provenance, governance, validity interval), an audit row per lifecycle transition, an
 FTS5 index over entry text, the search log and a key-value meta table. Existing entries are
-backfilled as generated crystals; nothing is dropped or rewritten.
+backfilled as generated crystals; nothing is dropped or rewritten. v5 adds the design's remaining
+consent columns (anonymization_method, benefit_tier, last_contribution_at, contribution_count,
+can_request_deletion); v6 locks birthright entries (no edit, no delete) with triggers.
 The clasp store and fallback.sqlite (a snapshot of primary) share the entry tables.
 """
 
@@ -149,10 +151,32 @@ FROM entries;
 INSERT INTO crystal_audit (entry_id, event_uid, at, from_state, to_state, reason)
 SELECT id, event_uid, created_at, NULL, 'generated', 'migrated to schema with crystals' FROM entries;
 """
+# v5 (issue 26): the rest of the design's player_data_sharing_consent columns; rows kept as they are
+CONSENT_COLUMNS_V5 = """
+ALTER TABLE player_data_sharing_consent ADD COLUMN anonymization_method TEXT;
+ALTER TABLE player_data_sharing_consent ADD COLUMN benefit_tier TEXT;
+ALTER TABLE player_data_sharing_consent ADD COLUMN last_contribution_at REAL;
+ALTER TABLE player_data_sharing_consent ADD COLUMN contribution_count INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE player_data_sharing_consent ADD COLUMN can_request_deletion INTEGER NOT NULL DEFAULT 1;
+"""
+# v6 (issue 26, design "Memory classes and pruning"): birthright is locked at character creation:
+# its words, class and provenance never change and it is never pruned (access counts still move)
+BIRTHRIGHT_LOCK_V6 = """
+CREATE TRIGGER birthright_locked_update
+BEFORE UPDATE OF event_uid, text, speaker, created_at, memory_class, trait_engagement, data_category
+ON entries WHEN old.memory_class = 'birthright' OR new.memory_class = 'birthright' BEGIN
+    SELECT RAISE(ABORT, 'birthright memories are locked at character creation (no edit)');
+END;
+CREATE TRIGGER birthright_locked_delete BEFORE DELETE ON entries WHEN old.memory_class = 'birthright' BEGIN
+    SELECT RAISE(ABORT, 'birthright memories are locked at character creation (no prune)');
+END;
+"""
 PRIMARY_MIGRATIONS = (
     MEMORY_SCHEMA_V1 + CONSENT_SCHEMA_V1,
     CANON_SCHEMA_V2,
     CONTRIBUTOR_SCHEMA_V3,
     CRYSTAL_SCHEMA,
+    CONSENT_COLUMNS_V5,
+    BIRTHRIGHT_LOCK_V6,
 )
 CLASP_MIGRATIONS = (MEMORY_SCHEMA_V1, CRYSTAL_SCHEMA)

@@ -48,10 +48,12 @@ class StartupReport:
 
 def logout(memory: PlayerMemory, upstream: Path) -> Path:
     """Prune, write the upstream blob to ``upstream`` (JSON lines) and snapshot primary to fallback."""
+    from nimmer_train.memory.consent import get_consent
     from nimmer_train.memory.pruning import prune
 
     prune(memory, current_session=None)
-    entries = memory.entries()
+    excluded = set(get_consent(memory).excluded_categories)  # never upstream, whatever the tier
+    entries = [e for e in memory.entries() if e.data_category not in excluded]
     tmp = upstream.with_suffix(".tmp")
     with open(tmp, "w") as fh:
         for entry in entries:
@@ -73,12 +75,24 @@ def snapshot(memory: PlayerMemory) -> None:
 
 
 def login(memory: PlayerMemory, fragments: Iterable[dict]) -> int:
-    """Apply back-written fragments; an event_uid already present is skipped. Returns how many were new."""
-    known = {e.event_uid for e in memory.entries()}
+    """Apply back-written fragments under their event_uid (design "Dual-table redundancy +
+    sync-on-auth"): a new event_uid is added; one already present whose text differs is merged
+    (the Compositor's canon replaces the local working or volatile entry; cornerstone and
+    birthright are never rewritten); an identical one is skipped. Returns how many were new."""
+    local = {e.event_uid: e for e in memory.entries()}
+    known = set(local)
     added = 0
     for fragment in fragments:
         if fragment["event_uid"] in known:
-            continue
+            mine = local.get(fragment["event_uid"])
+            if (
+                mine is None
+                or mine.text == fragment["text"]
+                or mine.memory_class not in ("working", "volatile")
+            ):
+                continue
+            memory.delete([mine.event_uid])  # canon replaces it below, same event_uid
+            added -= 1  # a merge, not a new event
         fields = {
             k: v
             for k, v in fragment.items()

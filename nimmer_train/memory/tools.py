@@ -103,8 +103,11 @@ class ToolRegistry:
             raise ToolArgumentError(f"{name}: {exc}") from exc
 
 
-def memory_tools(agent: AgentMemory, mode: Mode = Mode.REALWORLD) -> ToolRegistry:
-    """The registry of the four memory tools over ``agent``, acting in ``mode``."""
+def memory_tools(agent: AgentMemory, mode: Mode = Mode.REALWORLD, dreams: Any = True) -> ToolRegistry:
+    """The registry of the memory tools over ``agent``, acting in ``mode``, with part 2's
+    dream_search, dream_status, curiosity_state and curiosity_resolve over ``dreams`` (a
+    :class:`nimmer_train.memory.dreams.DreamEngine`, True for the agent's default one, None for
+    part 1's four tools only)."""
     registry = ToolRegistry(mode)
     registry.register(
         Tool(
@@ -168,6 +171,10 @@ def memory_tools(agent: AgentMemory, mode: Mode = Mode.REALWORLD) -> ToolRegistr
             ),
         )
     )
+    if dreams is not None and dreams is not False:  # part 2: dreams and curiosity
+        from nimmer_train.memory.dreams import register_tools
+
+        register_tools(registry, agent, None if dreams is True else dreams)
     return registry
 
 

@@ -74,6 +74,23 @@ CREATE TABLE IF NOT EXISTS aliases (
     set_at     TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS version_releases (      -- the release number a label carries (rebase.py)
+    version_id TEXT PRIMARY KEY REFERENCES base_model_versions(version_id),
+    major      INTEGER NOT NULL,                   -- a new major invalidates inherited LoRAs
+    minor      INTEGER NOT NULL,
+    why        TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS lora_rebases (          -- what the rebase stage decided, and on what evidence
+    lora_id         TEXT NOT NULL REFERENCES register_loras(lora_id),  -- a LoRA that fit from_version
+    from_version_id TEXT NOT NULL REFERENCES base_model_versions(version_id),
+    to_version_id   TEXT NOT NULL REFERENCES base_model_versions(version_id),
+    decision        TEXT NOT NULL,   -- trained_on | rebased | inherited-evaluated | refused
+    reason          TEXT NOT NULL,
+    evidence        TEXT NOT NULL,   -- JSON: the register x adapter matrix cells, the rule, the bump
+    rebased_adapter TEXT,            -- the retrained adapter folder (decision rebased)
+    decided_at      TEXT NOT NULL,
+    PRIMARY KEY (lora_id, to_version_id)
+);
 """
 
 JSON_COLUMNS = ("training_corpus_refs", "training_recipe_ref", "blob_distribution")
@@ -97,6 +114,12 @@ class Version:
 
 def label_of(number: int) -> str:
     return f"{PREFIX}{number}"
+
+
+def release_label(label: str, release: tuple[int, int] | None) -> str:
+    """``nimmerworld-base-v3 (2.1)``: the label with the release it carries (major.minor; a new
+    major invalidates every inherited LoRA), or the bare label before one is recorded."""
+    return f"{label} ({release[0]}.{release[1]})" if release else label
 
 
 class Registry:
@@ -259,4 +282,43 @@ class Registry:
             "INSERT INTO settings (key, value) VALUES (?, ?) "
             "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
             (key, value),
+        )
+
+    def release(self, version: Version) -> tuple[int, int] | None:
+        """(major, minor) recorded for ``version`` (by the rebase stage), or None."""
+        row = self.db.execute(
+            "SELECT major, minor FROM version_releases WHERE version_id = ?", (version.id,)
+        ).fetchone()
+        return None if row is None else (row[0], row[1])
+
+    def set_release(self, version: Version, major: int, minor: int, why: str) -> None:
+        self.db.execute(
+            "INSERT INTO version_releases (version_id, major, minor, why) VALUES (?, ?, ?, ?)",
+            (version.id, major, minor, why),
+        )
+
+    def rebases_into(self, version: Version) -> list[dict[str, Any]]:
+        """The rebase decisions recorded for LoRAs carried into ``version``, evidence decoded."""
+        rows = self.db.execute(
+            "SELECT r.*, l.register FROM lora_rebases r JOIN register_loras l USING (lora_id) "
+            "WHERE r.to_version_id = ? ORDER BY l.register",
+            (version.id,),
+        ).fetchall()
+        return [{**dict(r), "evidence": json.loads(r["evidence"])} for r in rows]
+
+    def record_rebase(self, row: dict[str, Any]) -> None:
+        """One rebase decision (replacing an earlier one for the same LoRA and version)."""
+        self.db.execute(
+            "INSERT OR REPLACE INTO lora_rebases (lora_id, from_version_id, to_version_id, decision, "
+            "reason, evidence, rebased_adapter, decided_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                row["lora_id"],
+                row["from_version_id"],
+                row["to_version_id"],
+                row["decision"],
+                row["reason"],
+                json.dumps(row["evidence"], sort_keys=True),
+                row.get("rebased_adapter"),
+                row["decided_at"],
+            ),
         )

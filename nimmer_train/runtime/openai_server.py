@@ -13,6 +13,10 @@ request decoded by the model's batching engine (:mod:`nimmer_train.runtime.engin
 - ``GET /health``: 503 while the model loads or once the engine has stopped, else 200.
 - ``GET /metrics``: Prometheus text (:mod:`nimmer_train.runtime.serve_metrics`).
 - A full queue answers 429 with ``Retry-After``; shutdown finishes the turns already accepted.
+- With ``reload`` (``nimmer serve --reload-s``): the served alias is resolved again every few
+  seconds; when it moves, the new version is loaded beside the old one and swapped in: turns in
+  flight finish on the old model, new turns go to the new one, and the old one closes once its
+  last turn is done. A version that fails to load or verify is logged and the old one stays.
 - With ``adapter_updates``: ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``
   ``{"lora_name": "<register>"}``, only for LoRAs the signed version registry says fit.
 
@@ -32,6 +36,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -90,6 +96,9 @@ class _Holder:
         self.loader = model if loader else None
         self.owned = self.model is None  # loaded here: closed here
         self.error: str | None = None
+        self.users: collections.Counter = collections.Counter()  # id(model) -> turns on it now
+        self.retiring: set[asyncio.Task] = set()  # old models waiting for their last turn
+        self.reload_error: str | None = None
 
     def load(self) -> None:
         try:
@@ -98,15 +107,102 @@ class _Holder:
             log.exception("loading the model failed")
             self.error = f"{type(exc).__name__}: {exc}"
 
+    def acquire(self) -> LocalModel:
+        """The model a new turn runs on, counted until :meth:`release` (it may be swapped out
+        meanwhile; it is closed only once its last turn is released)."""
+        assert self.model is not None
+        self.users[id(self.model)] += 1
+        return self.model
+
+    def release(self, model: LocalModel) -> None:
+        self.users[id(model)] -= 1
+        if self.users[id(model)] <= 0:
+            del self.users[id(model)]
+
+    async def released(self, chunks: AsyncIterator[Any], model: LocalModel) -> AsyncIterator[Any]:
+        """A streamed body that releases ``model`` when it ends, however it ends."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            self.release(model)
+
+    async def follow(self, reload: Reload) -> None:
+        """Every ``reload.interval_s``: resolve the served name; when it names another version,
+        load it (in a thread) and swap it in; the old model retires in the background. A server
+        whose first load failed (/health 503) recovers once the name points at a good version."""
+        failed: str | None = None
+        while True:
+            await asyncio.sleep(reload.interval_s)
+            current = self.model
+            if current is None and self.error is None:  # the first load is still running
+                continue
+            try:
+                label = await asyncio.to_thread(reload.resolve)
+            except Exception as exc:  # a registry being written, a bad alias: try again later
+                log.warning("resolving the served version failed: %s", exc)
+                continue
+            serving = current.label if current is not None else None
+            if label in (serving, failed):
+                continue
+            try:
+                new = await asyncio.to_thread(reload.load, label)
+            except Exception as exc:
+                log.exception("loading %s failed; still serving %s", label, serving or "nothing")
+                failed, self.reload_error = label, f"{label}: {type(exc).__name__}: {exc}"
+                continue
+            failed, self.reload_error, self.error = None, None, None
+            owned, self.model, self.owned = self.owned, new, True
+            log.warning("the served alias moved: now serving %s (was %s)", new.label, serving or "nothing")
+            if current is not None:
+                task = asyncio.create_task(self.retire(current, owned, reload.drain_s))
+                self.retiring.add(task)
+                task.add_done_callback(self.retiring.discard)
+
+    async def retire(self, model: LocalModel, owned: bool, drain_s: float) -> None:
+        """Close ``model`` once no turn runs on it (or after ``drain_s``, finishing what its
+        engine accepted)."""
+        deadline = time.monotonic() + drain_s
+        while self.users.get(id(model)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if owned:
+            await asyncio.to_thread(model.close)
+
+
+@dataclass(frozen=True)
+class Reload:
+    """Follow what ``resolve`` names (an alias's version label now) and ``load`` it when it moves."""
+
+    resolve: Callable[[], str]
+    load: Callable[[str], LocalModel]
+    interval_s: float = 5.0
+    drain_s: float = 600.0  # an old model waits this long for its last turn before it closes
+
+    @classmethod
+    def alias(cls, releases: Path, name: str, trusted_keys: Path, interval_s: float = 5.0) -> Reload:
+        """Follow ``name`` (an alias, or a fixed label) in the registry of ``releases``."""
+        from nimmer_train.publish.registry import Registry
+
+        def resolve() -> str:
+            registry = Registry.open(releases)
+            try:
+                return registry.find(name).label
+            finally:
+                registry.close()
+
+        return cls(resolve, lambda label: LocalModel.open(releases, label, trusted_keys), interval_s)
+
 
 def create_app(
     model: LocalModel | Callable[[], LocalModel],
     api_key: str | None = None,
     limits: ServeLimits | None = None,
     adapter_updates: bool = False,
+    reload: Reload | None = None,
 ) -> FastAPI:
     """The server over ``model`` (or over what the callable loads, in a thread at start-up);
-    with ``api_key`` every route but /health needs ``Authorization: Bearer``."""
+    with ``api_key`` every route but /health needs ``Authorization: Bearer``; with ``reload`` it
+    follows an alias (see the module docstring)."""
     holder = _Holder(model)
     limits = limits or ServeLimits()
     schemas = SchemaCache(limits.schema_cache_size)
@@ -120,7 +216,12 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if holder.loader is not None:
             threading.Thread(target=holder.load, name="nimmer-load", daemon=True).start()
+        follow = asyncio.create_task(holder.follow(reload)) if reload is not None else None
         yield
+        if follow is not None:
+            follow.cancel()
+        for task in list(holder.retiring):  # old models finish their turns and close
+            await task
         if holder.model is not None:  # graceful: every accepted turn finishes
             engine = holder.model.engine
             while engine.alive and (engine.rows or engine.waiting):
@@ -154,6 +255,10 @@ def create_app(
         engine = holder.model.engine
         if not engine.alive or engine.closing:
             return JSONResponse({"status": "stopping" if engine.alive else "engine_failed"}, status_code=503)
+        if holder.reload_error:  # still serving the old version; the new one failed to load
+            return JSONResponse(
+                {"status": "ok", "model": holder.model.label, "reload_error": holder.reload_error}
+            )
         return JSONResponse({"status": "ok", "model": holder.model.label})
 
     @app.get("/metrics")
@@ -171,8 +276,19 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        m = holder.model
-        assert m is not None
+        m = holder.acquire()  # the turn stays on this model, whatever alias moves meanwhile
+        try:
+            response = await answer(m, request)
+        except BaseException:
+            holder.release(m)
+            raise
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = holder.released(response.body_iterator, m)
+        else:
+            holder.release(m)
+        return response
+
+    async def answer(m: LocalModel, request: Request) -> Any:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 

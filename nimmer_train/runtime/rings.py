@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,16 @@ import httpx
 
 from nimmer_train.config import TeacherConfig
 from nimmer_train.errors import ConfigError, NimmerError
+from nimmer_train.runtime.providers import (
+    HIVEMIND_KEY_ENV,
+    HIVEMIND_PROVIDER,
+    PROFILES,
+    adapt,
+    check_tier_ring,
+)
+from nimmer_train.runtime.providers import config_warnings as provider_warnings
 from nimmer_train.synth.teacher.backends import chat_completion_reply, make_teacher
+from nimmer_train.synth.teacher.base import TeacherFatalError
 from nimmer_train.synth.teacher.http import post_with_retries
 from nimmer_train.voice.composition import GenerationRequest
 from nimmer_train.voice.prompt_dsl import TurnPrompt, render_compact, render_projection
@@ -29,7 +39,7 @@ from nimmer_train.voice.registers import Register
 from nimmer_train.voice.sampling import SamplingKnobs
 
 RINGS = ("A", "B", "C")
-PROVIDERS = ("openai_compatible", "anthropic")
+PROVIDERS = tuple(PROFILES)  # one row per provider: runtime/providers.py
 
 
 @dataclass
@@ -47,18 +57,25 @@ class RingConfig:
     max_retries: int = 3
     constrained: bool = True  # A and B: schema-constrained decoding
     context_tokens: int | None = None  # B and C: the model's context window; null: not limited
+    api_key: str | None = field(default=None, repr=False)  # B and C: the key itself (a sealed BYOK key)
 
     def __post_init__(self) -> None:
         if self.ring not in RINGS:
             raise ConfigError("ring", f"unknown ring {self.ring!r}; known: {', '.join(RINGS)}")
-        if self.ring in ("B", "C") and not self.base_url and self.provider != "anthropic":
+        if self.ring in ("B", "C") and not self.base_url and self.backend != "anthropic":
             raise ConfigError("base_url", f"required for ring {self.ring}")
-        if self.ring == "C" and (self.provider not in PROVIDERS or not self.model):
+        if self.ring == "C" and (self.provider not in PROFILES or not self.model):
             raise ConfigError("provider/model", f"ring C needs provider in {PROVIDERS} and a model")
 
+    @property
+    def backend(self) -> str:
+        """The wire format: the provider profile's (Ring C), Chat Completions otherwise."""
+        return PROFILES[self.provider].backend if self.provider in PROFILES else "openai_compatible"
+
     def teacher(self, max_new_tokens: int) -> TeacherConfig:
+        extra = self.ring == "C" and {"top_k", "min_p"} <= set(PROFILES[self.provider].knobs)
         return TeacherConfig(
-            backend="openai_compatible" if self.ring == "B" else self.provider,
+            backend="openai_compatible" if self.ring == "B" else self.backend,
             model=self.model or "nimmer",
             base_url=self.base_url,
             api_key_env=self.api_key_env,
@@ -67,7 +84,7 @@ class RingConfig:
             max_new_tokens=max_new_tokens,
             json_mode=True,
             json_tool=True,
-            extra_sampling=False,
+            extra_sampling=extra,  # the provider's profile takes every knob
             price_in_per_mtok=self.price_in_per_mtok,
             price_out_per_mtok=self.price_out_per_mtok,
         )
@@ -122,6 +139,15 @@ class RingA:
         self.model, self.constrained = model, constrained
         self.context_tokens: int | None = model.context_tokens
 
+    @classmethod
+    def open(cls, releases: Any, name: str, trusted_keys: Any, constrained: bool = True) -> RingA:
+        """A session's Ring A: ``name`` (e.g. ``production``) resolved in the registry now, the
+        version verified and loaded. A session keeps its version; a version pulled or promoted
+        meanwhile speaks from the next session on (close the model with ``ring.model.close()``)."""
+        from nimmer_train.runtime.local_model import LocalModel
+
+        return cls(LocalModel.open(releases, name, trusted_keys), constrained)
+
     def count(self, text: str) -> int:
         return len(self.model.tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
 
@@ -172,7 +198,7 @@ class RingB:
 
     def _headers(self) -> dict[str, str]:
         """``Authorization: Bearer`` from ``api_key_env`` (``nimmer serve --api-key-env``), if set."""
-        key = os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None
+        key = self.cfg.api_key or (os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None)
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def speak(self, prompt: TurnPrompt, register: Register, name: str, knobs: SamplingKnobs) -> RingReply:
@@ -191,14 +217,15 @@ class RingB:
             }
 
         started = time.perf_counter()
-        reply = post_with_retries(
-            self.client,
-            f"{self.base}/chat/completions",
-            body,
-            self._headers(),
-            self.cfg.teacher(knobs.max_new_tokens),
-            chat_completion_reply,
-        )
+        url, teacher = f"{self.base}/chat/completions", self.cfg.teacher(knobs.max_new_tokens)
+        try:
+            reply = post_with_retries(self.client, url, body, self._headers(), teacher, chat_completion_reply)
+        except TeacherFatalError as exc:  # a 404: nimmer serve moved to the version its alias names
+            if " answered 404" not in str(exc):
+                raise
+            self._models = None  # ask the server what it serves now, once
+            model = body["model"] = self.model_id(name)
+            reply = post_with_retries(self.client, url, body, self._headers(), teacher, chat_completion_reply)
         return RingReply(
             reply.content,
             "B",
@@ -229,12 +256,17 @@ class RingC:
 
     def speak(self, prompt: TurnPrompt, register: Register, name: str, knobs: SamplingKnobs) -> RingReply:
         refuse_clasp(prompt, self.name)
+        knobs, warnings = adapt(knobs, self.cfg.provider)  # drop, clamp, emulate (the profile)
         teacher_cfg = self.cfg.teacher(knobs.max_new_tokens)
-        teacher = self._make(teacher_cfg)
+        teacher = (
+            self._make(teacher_cfg)
+            if self.cfg.api_key is None
+            else keyed_teacher(teacher_cfg, self.cfg.api_key)
+        )
         messages = self.render(prompt, register)
         request = GenerationRequest(name, {}, prompt, messages, knobs, key="")
         # --- issue 16: memory tools in the turn loop (OpenAI-compatible providers) ---
-        if self.tools is not None and self.cfg.provider == "openai_compatible":
+        if self.tools is not None and self.cfg.backend == "openai_compatible":
             from nimmer_train.runtime.tool_calls import chat_with_tools
 
             turn = chat_with_tools(teacher, request, self.tools)
@@ -242,10 +274,6 @@ class RingC:
         else:
             reply = teacher.generate([request])[0]
         # --- end issue 16 ---
-        warnings = [f"{k}_unsupported_dropped" for k in reply.dropped_knobs]
-        warnings.append("multi_lora_emulated_via_prompt")
-        if self.cfg.provider == "anthropic" and knobs.temperature > 1.0:
-            warnings.append(f"temperature_{knobs.temperature}_clamped_to_1.0")
         cost = (
             reply.prompt_tokens * self.cfg.price_in_per_mtok
             + reply.completion_tokens * self.cfg.price_out_per_mtok
@@ -263,24 +291,38 @@ class RingC:
 
 
 RING_CODES = {"A_local": "A", "B_our_farm": "B", "C_external": "C"}
-DROPPED = {
-    "openai_compatible": ("top_k", "repetition_penalty", "min_p"),
-    "anthropic": ("top_p", "repetition_penalty", "min_p"),
-}
 
 
 def compat_warnings(cfg: RingConfig) -> list[str]:
     """What a tier loses in its ring, known at config time (the design's feature_compat_warnings)."""
-    if cfg.ring != "C":
-        return []
-    return ["multi_lora_emulated_via_prompt", *(f"{k}_unsupported_dropped" for k in DROPPED[cfg.provider])]
+    return provider_warnings(cfg.provider) if cfg.ring == "C" else []
 
 
-def player_rings(row: dict[str, Any], local: Any = None) -> tuple[dict[str, Ring], dict[str, list[str]]]:
+def keyed_teacher(cfg: TeacherConfig, key: str) -> Any:
+    """A provider backend that sends ``key`` itself (a BYOK key unsealed by the runtime), never
+    through an environment variable."""
+    from nimmer_train.synth.teacher.backends import Anthropic, OpenAICompatible
+
+    if cfg.backend == "anthropic":
+        teacher = Anthropic.__new__(Anthropic)
+        teacher.cfg, teacher.model, teacher.concurrency = cfg, cfg.model, cfg.concurrency
+        teacher.headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+        teacher.url = f"{(cfg.base_url or 'https://api.anthropic.com').rstrip('/')}/v1/messages"
+        teacher.client = httpx.Client(limits=httpx.Limits(max_connections=cfg.concurrency))
+        return teacher
+    teacher = OpenAICompatible(dataclasses.replace(cfg, api_key_env=None))
+    teacher.headers = {"Authorization": f"Bearer {key}"}
+    return teacher
+
+
+def player_rings(
+    row: dict[str, Any], local: Any = None, keys: dict[str, str] | None = None
+) -> tuple[dict[str, Ring], dict[str, list[str]]]:
     """Rings per tier from a player_llm_config row (``casual_tier_ring``: A_local, B_our_farm or
     C_external; ``*_provider``, ``*_endpoint``, ``*_credentials_ref`` = the environment variable
     holding the player's key, ``*_model``), and the feature_compat_warnings per tier. Ring A needs
-    ``local`` (a LocalModel)."""
+    ``local`` (a LocalModel). The deep (Theia) tier on A_local is refused; the hivemind tier is
+    always Anthropic through us (our key in ``NIMMER_HIVEMIND_API_KEY``, never the player's)."""
     rings: dict[str, Ring] = {}
     warnings: dict[str, list[str]] = {}
     for tier in ("casual", "deep"):
@@ -294,10 +336,27 @@ def player_rings(row: dict[str, Any], local: Any = None) -> tuple[dict[str, Ring
             base_url=row.get(f"{tier}_tier_endpoint"),
             provider=row.get(f"{tier}_tier_provider") or "openai_compatible",
             model=row.get(f"{tier}_tier_model"),
-            api_key_env=row.get(f"{tier}_tier_credentials_ref"),
+            api_key_env=None if tier in (keys or {}) else row.get(f"{tier}_tier_credentials_ref"),
+            api_key=(keys or {}).get(tier),  # sealed BYOK keys (memory/llm_config.py)
         )
+        check_tier_ring(tier, cfg.ring)  # Tier x Ring matrix: Theia never on Ring A
         if cfg.ring == "A" and local is None:
             raise ConfigError(f"{tier}_tier_ring", "A_local needs the local model loaded on this device")
         rings[tier] = RingA(local) if cfg.ring == "A" else RingB(cfg) if cfg.ring == "B" else RingC(cfg)
         warnings[f"{tier}_tier"] = compat_warnings(cfg)
+    hivemind = row.get("hivemind_tier_provider") or HIVEMIND_PROVIDER
+    if hivemind != HIVEMIND_PROVIDER:
+        raise ConfigError(
+            "hivemind_tier_provider", f"{hivemind!r}; the hivemind is fixed: {HIVEMIND_PROVIDER}"
+        )
+    if row.get("hivemind_tier_model"):  # the hivemind speaks only where we configured it
+        rings["hivemind"] = RingC(
+            RingConfig(
+                ring="C",
+                provider="anthropic",
+                base_url=row.get("hivemind_tier_endpoint"),
+                model=row["hivemind_tier_model"],
+                api_key_env=HIVEMIND_KEY_ENV,
+            )
+        )
     return rings, warnings

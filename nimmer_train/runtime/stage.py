@@ -163,6 +163,31 @@ def agent_memory_session(folder: Path, turns: list[Turn]) -> dict[str, object]:
     return status
 
 
+DUSK_VISITS = (
+    "The player came to the water gate at dusk to watch the boats.",
+    "At dusk the player came to the water gate again to watch the boats.",
+    "The player came back to the water gate at dusk, watching the boats.",
+)
+
+
+def agent_dream_session(folder: Path) -> list[str]:
+    """The demo agent notes a habit (three visits at dusk), then dreams once (replay and
+    compression, no LLM): prints and returns the cycle's insights (issue 17)."""
+    from nimmer_train.memory.agent_memory import AgentMemory
+    from nimmer_train.memory.dreams import DreamEngine, show_cycle
+    from nimmer_train.memory.embedding import SentenceEmbedder
+
+    agent = AgentMemory(folder, SentenceEmbedder())
+    try:
+        for note in DUSK_VISITS:
+            agent.working_memory_note(note)
+        lines = show_cycle(DreamEngine(agent), ["replay", "compression"])
+    finally:
+        agent.close()
+    print("  " + "\n  ".join(lines))
+    return lines
+
+
 @dataclass
 class SpeakResult:
     """The turns spoken (one per register and tier) and where they were written; the voice report
@@ -184,10 +209,12 @@ def speak_stage(cfg: Config, pipeline: str = "speak") -> SpeakResult:
         try:
             with agent_transcripts(agent) as transcripts:
                 turns = _speak(cfg, model, path, transcripts)
+                mood_turns(cfg, model, agent)
             voice = _voice(cfg, model, path.parent / VOICE_FILE, run_id)
         finally:
             model.close()
         status = agent_memory_session(agent, turns)
+        agent_dream_session(agent)
         if run_id:
             import mlflow
 
@@ -212,6 +239,47 @@ def speak_stage(cfg: Config, pipeline: str = "speak") -> SpeakResult:
                 {"turns": len(turns), "mean_turn_seconds": sum(t.seconds for t in turns) / len(turns)}
             )
     return SpeakResult(turns, path, voice)
+
+
+def mood_turns(cfg: Config, model: LocalModel, folder: Path) -> list[Turn]:
+    """Issue 17: the demo agent speaks on Ring A at rest, right after a reward (a game event),
+    and eight game hours later, on a game clock of its own; prints each turn with its knobs."""
+    from dataclasses import replace
+
+    from nimmer_train.memory.hormones import Hormones
+
+    game = {"now": time.time()}
+    hormones = Hormones(folder, lambda: game["now"])
+    register = sorted(model.registers)[0]
+    traits = cfg.registers.get(register).traits
+    runtime = NpcRuntime(
+        cfg.registers,
+        {"casual": RingA(model)},
+        registers=[register],
+        max_new_tokens=cfg.runtime.max_new_tokens,
+        hormones={f"npc-{register}": hormones},
+    )
+    turns, lines = [], []
+    try:
+        for label, advance, events in (
+            ("at rest", 0.0, ()),
+            ("after a reward", 60.0, ("reward",)),
+            ("8 game hours later", 8 * 3600.0, ()),
+        ):
+            game["now"] += advance
+            req = replace(_request(register, traits, "casual"), events=events)
+            turn = runtime.speak(req)
+            energy = hormones.state()["tone"]["energy"]  # type: ignore[index]
+            k = turn.knobs
+            lines.append(
+                f"  {label:<19} energy {energy:.3f}  T={k['temperature']}, top_p={k['top_p']}, "
+                f"repetition_penalty={k['repetition_penalty']}: {json.dumps(turn.reply, ensure_ascii=False)}"
+            )
+            turns.append(turn)
+    finally:
+        hormones.close()
+    print(f"\nMood reaches the voice ([{register}], ring A):\n" + "\n".join(lines))
+    return turns
 
 
 def _voice(cfg: Config, model: LocalModel, path: Path, run_id: str | None) -> VoiceReport | None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nimmer_train.errors import NimmerError
+from nimmer_train.runtime.director import direct
+from nimmer_train.runtime.providers import route
 from nimmer_train.runtime.rings import Ring, RingReply
 from nimmer_train.runtime.selection import RegisterSelector, SelectionConfig
 from nimmer_train.voice import sampling
@@ -51,7 +53,9 @@ class TurnRequest:
     district: str = "lower-ring"
     npc_traits: dict[str, float] | None = None  # null: the selected register's profile
     affect: AffectState = field(default_factory=lambda: AffectState("calm"))
+    events: tuple[str, ...] = ()  # game events for the NPC's hormones (memory/hormones.py EVENTS)
     tier: str = "casual"  # which ring serves it: the player's casual or deep tier
+    director: dict[str, float] | None = None  # per-turn knob overrides, within the register's bounds
     output_schema: dict[str, Any] = field(default_factory=lambda: dict(TURN_SCHEMA))
 
 
@@ -70,6 +74,7 @@ class Turn:
     feature_compat_warnings: list[str]
     seconds: float
     timings: dict[str, float]  # select, knobs, assemble, generate, validate, write_back
+    director_overrides: dict[str, dict[str, float]] = field(default_factory=dict)  # knob: from, to
 
 
 class NpcRuntime:
@@ -87,9 +92,11 @@ class NpcRuntime:
         registers: list[str] | None = None,  # registers that can speak; null: the catalogue
         max_new_tokens: int | None = None,  # null: the knobs' default
         transcripts: Any = None,  # a memory.ingestion.TranscriptIndexer; None: exchanges not indexed
+        hormones: dict[str, Any] | None = None,  # NPC name -> memory.hormones.Hormones; else no mood
         session_id: str | None = None,  # the transcripts' session id; null: a fresh one
     ) -> None:
         self.max_new_tokens = max_new_tokens
+        self.hormones = hormones or {}
         self.transcripts = transcripts
         self.session_id = session_id or f"session-{uuid.uuid4().hex[:12]}"
         # turns transcribed per (npc, store): primary's ids count realworld turns only, so
@@ -135,18 +142,26 @@ class NpcRuntime:
         from nimmer_train.memory.player_memory import Mode, as_mode
 
         mode = Mode.REALWORLD if mode is None else as_mode(mode)
-        ring = self._ring(req.tier)
         t = {"start": time.perf_counter()}
         name = self.selector(req.npc).update(req.gesture)
+        # Tier x Ring (runtime/providers.py): hivemind, clasp-confession and the in-between
+        in_between = mode is Mode.IN_BETWEEN
+        tier, routed = route(name, in_between, req.tier, self.rings, self.memory is not None)
+        ring = self._ring(tier)
         register = self.catalogue.get(name)
         t["select"] = time.perf_counter()
         traits = req.npc_traits or register.traits
+        req, hints = self._mood(req)
         knobs = self._knobs(req, name, traits)
+        knobs, directed = direct(self.catalogue, name, knobs, req.director)
+        if directed:
+            log.info("turn of %s: director overrides %s", req.npc, directed)
         t["knobs"] = time.perf_counter()
-        prompt = self._prompt(req, mode, ring, register, traits, knobs)
+        prompt = self._prompt(req, mode, ring, register, traits, knobs, hints)
         t["assemble"] = time.perf_counter()
         attempts = _speak_valid(ring, prompt, register, name, knobs, req.output_schema)
         withheld = clasp_withheld(mode, ring) if self.memory is not None else []
+        withheld = [*routed, *withheld]
         w0 = time.perf_counter()
         if self.memory is not None:  # the spoken line, in the store the mode allows (clasp in-between)
             self.memory.write(
@@ -167,7 +182,9 @@ class NpcRuntime:
             "validate": attempts.validate_s,
             "write_back": end - w0,
         }
-        return _turn(req.npc, name, knobs, attempts, end - t["start"], timings, withheld)
+        turn = _turn(req.npc, name, knobs, attempts, end - t["start"], timings, withheld)
+        turn.director_overrides = directed
+        return turn
 
     def _transcribe(self, req: TurnRequest, reply: dict[str, Any], mode: Any) -> None:
         """Queue the exchange for the indexer (it returns at once; a closed indexer raises).
@@ -218,20 +235,38 @@ class NpcRuntime:
         register: Register,
         traits: dict[str, float],
         knobs: sampling.SamplingKnobs,
+        hints: tuple[str, ...] = (),
     ) -> TurnPrompt:
         """The turn's prompt: the bare prompt first, then the memory that fits beside it."""
         bare = TurnPrompt(
             role=register.role,
             trait_vector=dict(traits),
             affect_state=req.affect,
-            memory_scope=MemoryScope(layers=(), items=()),
+            memory_scope=MemoryScope(layers=(), items=hints),
             turn_intent=req.turn_intent,
             zone_context=req.zone_context,
             output_schema=req.output_schema,
             player_utterance=req.player_utterance,
         )
         scope = self._scope(req, mode, ring, ring.render(bare, register), knobs.max_new_tokens)
-        return dataclasses.replace(bare, memory_scope=scope)
+        return dataclasses.replace(bare, memory_scope=MemoryScope(scope.layers, (*hints, *scope.items)))
+
+    def _mood(self, req: TurnRequest) -> tuple[TurnRequest, tuple[str, ...]]:
+        """The NPC's hormones react to the turn's game events and to the player's words; the
+        turn's affect moves by their departure from rest (valence and arousal, clamped to the
+        DSL's ranges; the mood word stays the game's), and the tone hints that differ from rest
+        lead the memory scope (tone only: the emotion is never named). At rest, or for an NPC
+        without hormones, the request is unchanged and there are no hints."""
+        hormones = self.hormones.get(req.npc)
+        if hormones is None:
+            return req, ()
+        now = hormones.clock()
+        hormones.react(req.player_utterance, req.events, now)
+        dv, da = hormones.affect_shift(now)
+        a = req.affect
+        affect = AffectState(a.mood, min(1.0, max(-1.0, a.valence + dv)), min(1.0, max(0.0, a.arousal + da)))
+        hints = tuple(f"(tone) {hint}" for hint in hormones.prompt_hints(now))
+        return dataclasses.replace(req, affect=affect), hints
 
 
 def clasp_withheld(mode: Any, ring: Ring) -> list[str]:

@@ -32,7 +32,16 @@ def test_the_cli_serves_the_memory_tools_over_stdio(tmp_path: Path) -> None:
     async def drive() -> None:
         async with Client(params) as client:
             names = [t.name for t in (await client.list_tools()).tools]
-            assert names == ["memory_search", "memory_get", "memory_status", "working_memory_note"]
+            assert names == [
+                "memory_search",
+                "memory_get",
+                "memory_status",
+                "working_memory_note",
+                "dream_search",
+                "dream_status",
+                "curiosity_state",
+                "curiosity_resolve",
+            ]
             found = await client.call_tool("memory_search", {"query": "where is the spare key"})
             top = found.structured_content["results"][0]
             assert top["path"] == "MEMORY.md" and "blue door" in top["text"]

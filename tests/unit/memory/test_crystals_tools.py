@@ -9,18 +9,22 @@ import anyio
 import pytest
 from mcp import Client
 
+from nimmer_train.errors import NimmerError
 from nimmer_train.memory.mcp_server import build_server
 from nimmer_train.memory.player_memory import Mode
 from nimmer_train.memory.tools import Tool, ToolArgumentError, UnknownTool, memory_tools
 from tests.helpers.memory import agent_memory
 
 SEED_TOOLS = ["memory_search", "memory_get", "memory_status", "working_memory_note"]
+DREAM_TOOLS = ["dream_search", "dream_status", "curiosity_state", "curiosity_resolve"]
+ALL_TOOLS = SEED_TOOLS + DREAM_TOOLS
 
 
 def test_registry_schemas_and_argument_errors(tmp_path: Path) -> None:
     agent = agent_memory(tmp_path)
+    assert memory_tools(agent, dreams=None).names() == SEED_TOOLS
     registry = memory_tools(agent)
-    assert registry.names() == SEED_TOOLS
+    assert registry.names() == ALL_TOOLS
     schemas = {s["function"]["name"]: s for s in registry.openai_schemas()}
     assert schemas["memory_search"]["type"] == "function"
     assert schemas["memory_search"]["function"]["parameters"]["required"] == ["query"]
@@ -44,13 +48,14 @@ def test_registry_schemas_and_argument_errors(tmp_path: Path) -> None:
         registry.call("working_memory_note", {"note": "x", "type": "gossip"})
     with pytest.raises(ToolArgumentError, match="path"):
         registry.call("memory_get", {"path": "/etc/passwd"})
-    with pytest.raises(UnknownTool, match="dream_search"):
-        registry.call("dream_search", {"query": "x"})
-    # part 2 plugs in here
+    with pytest.raises(UnknownTool, match="dream_weave"):
+        registry.call("dream_weave", {"query": "x"})
     registry.register(
-        Tool("dream_status", "dream engine state", {"type": "object", "properties": {}}, lambda a: {})
+        Tool("dream_weave", "a later tool plugs in here", {"type": "object", "properties": {}}, lambda a: {})
     )
-    assert registry.names()[-1] == "dream_status" and registry.call("dream_status") == {}
+    assert registry.names()[-1] == "dream_weave" and registry.call("dream_weave") == {}
+    with pytest.raises(NimmerError, match="registered already"):
+        registry.register(Tool("dream_status", "twice", {"type": "object", "properties": {}}, lambda a: {}))
     agent.close()
 
 
@@ -78,7 +83,7 @@ def test_mcp_server_answers_tools_and_reports_bad_arguments(tmp_path: Path) -> N
     async def session() -> None:
         async with Client(server) as client:
             listed = await client.list_tools()
-            assert [t.name for t in listed.tools] == SEED_TOOLS
+            assert [t.name for t in listed.tools] == ALL_TOOLS
             schema = {t.name: t.input_schema for t in listed.tools}["memory_get"]
             assert schema["required"] == ["path"] and "from" in schema["properties"]
             noted = await client.call_tool("working_memory_note", {"note": "The ferry leaves at noon"})
@@ -89,8 +94,8 @@ def test_mcp_server_answers_tools_and_reports_bad_arguments(tmp_path: Path) -> N
             assert bad.is_error and "argument 'maxResults'" in bad.content[0].text
             missing = await client.call_tool("memory_get", {})
             assert missing.is_error and "'path' is a required property" in missing.content[0].text
-            unknown = await client.call_tool("curiosity_state", {})
-            assert unknown.is_error and "unknown tool 'curiosity_state'" in unknown.content[0].text
+            unknown = await client.call_tool("curiosity_weave", {})
+            assert unknown.is_error and "unknown tool 'curiosity_weave'" in unknown.content[0].text
             status = await client.call_tool("memory_status", {})  # the server is still up
             assert status.structured_content["stores"]["primary"]["lifecycle"]["activated"] == 1
 
