@@ -1,4 +1,4 @@
-"""The operator's A.2 intake, as files until a network intake exists: anonymised uploads a
+"""The operator's A.2 intake as files (the service is ``intake_service.py``): anonymised uploads a
 device wrote (``nimmer contributions upload``) are added to the pool (``nimmer federation a2
 add``), and a device's deletion request is applied to it (``nimmer federation a2 forget``),
 with an answer file for the device.
@@ -9,6 +9,7 @@ later, and never trains on them again; what a released adapter already learned s
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from nimmer_train.privacy.a2_pool import A2Pool
 from nimmer_train.privacy.anonymize import Upload
 
 UPLOAD_FORMAT = "nimmer-a2-upload/1"
+DAY = 86400.0
+STORE_FILE = "intake.sqlite"  # the intake service's store (its stage), beside the pool by default
 
 
 def write_upload(upload: Upload, folder: Path) -> Path:
@@ -49,7 +52,7 @@ def add_uploads(pool_path: Path, files: list[Path], k: int) -> tuple[list[str], 
                 forgotten.append(upload.upload_id)
                 path.unlink(missing_ok=True)
                 continue
-            pool.add(upload)
+            pool.add(upload, now=time.time() // DAY * DAY)  # to the day, as the service's
             pooled.append(upload.upload_id)
     finally:
         pool.close()
@@ -69,6 +72,32 @@ def apply_deletion_request(pool_path: Path, request_file: Path, k: int) -> dict[
         raise NimmerError(f"{request_file}: upload_ids must be a list of upload ids")
     if not pool_path.exists():
         raise NimmerError(f"no A.2 pool at {pool_path}; name the pool the federation's a2-pool is")
+    return forget_uploads(pool_path, ids, k, pool_path.parent / STORE_FILE)
+
+
+def _unstage(store: Path, ids: list[str]) -> set[str]:
+    """Drop ``ids`` from an intake service's stage (``store``, if one is there); the ids it held."""
+    if not store.exists():
+        return set()
+    db = sqlite3.connect(store, isolation_level=None, timeout=30)
+    try:
+        db.execute("PRAGMA secure_delete = ON")
+        if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'staged'").fetchone():
+            return set()
+        marks = ",".join("?" * len(ids))
+        staged = {r[0] for r in db.execute(f"SELECT upload_id FROM staged WHERE upload_id IN ({marks})", ids)}
+        db.execute(f"DELETE FROM staged WHERE upload_id IN ({marks})", ids)
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return staged
+    finally:
+        db.close()
+
+
+def forget_uploads(pool_path: Path, ids: list[str], k: int, store: Path | None = None) -> dict[str, Any]:
+    """Forward-only deletion of ``ids`` in the pool (created if missing, so that the ids are
+    refused should they arrive later) and in the intake service's stage (``store``, when there
+    is one); the answer for the device. One transaction for the pool, dates to the day."""
+    day = time.time() // DAY * DAY
     pool = A2Pool(pool_path, k)
     try:
         # freed pages are zeroed and the WAL emptied: the forgotten text stays in no byte of the
@@ -80,11 +109,14 @@ def apply_deletion_request(pool_path: Path, request_file: Path, k: int) -> dict[
                 f"SELECT upload_id FROM uploads WHERE upload_id IN ({','.join('?' * len(ids))})", ids
             )
         }
-        for upload_id in ids:
-            pool.delete(upload_id)
+        pool.db.execute("BEGIN")
+        pool.db.executemany("INSERT OR IGNORE INTO deletions VALUES (?, ?)", [(i, day) for i in ids])
+        pool.db.executemany("DELETE FROM uploads WHERE upload_id = ?", [(i,) for i in ids])
+        pool.db.execute("COMMIT")
         pool.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     finally:
         pool.close()
+    live |= _unstage(store, ids) if store is not None else set()
     return {
         "format": ANSWER_FORMAT,
         "dropped": sorted(live),

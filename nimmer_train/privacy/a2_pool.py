@@ -23,8 +23,10 @@ from nimmer_train.privacy.anonymize import Upload
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS uploads (
     upload_id TEXT PRIMARY KEY, received_at REAL NOT NULL, examples TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS deletions (upload_id TEXT PRIMARY KEY, requested_at REAL NOT NULL);
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS deletions (
+    upload_id TEXT PRIMARY KEY, requested_at REAL NOT NULL
+) WITHOUT ROWID;  -- no row order: nothing tells which ids arrived together
 """
 
 

@@ -16,11 +16,18 @@ from dataclasses import dataclass
 
 HEX = "[0-9a-f]{1,4}"
 PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("[email]", re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")),
+    # linear time: a whole local part is tried from the start of its run only (a match inside a
+    # run implies one at its start); elsewhere (right after an earlier match) up to 64 characters
+    (
+        "[email]",
+        re.compile(r"(?:(?<![\w.+-])[\w.+-]+|[\w.+-]{1,64})@[\w-]+(?:\.[\w-]+)+"),
+    ),
     (
         "[url]",
         re.compile(
-            r"(?:https?://|www\.)[^\s<>\"']+|\b[\w-]+(?:\.[\w-]+)*\.(?:com|org|net|io|de|uk|fr)\b"
+            # DNS bounds (labels of <= 63 chars, <= 127 of them) keep each try short: linear time
+            r"(?:https?://|www\.)[^\s<>\"']+"
+            r"|\b[\w-]{1,63}(?:\.[\w-]{1,63}){0,126}\.(?:com|org|net|io|de|uk|fr)\b"
             r"(?:/[^\s<>\"']*)?",
             re.I,
         ),

@@ -13,12 +13,15 @@ import uvicorn
 
 
 @contextmanager
-def serve_app(app: Any) -> Iterator[str]:
-    """Yield the server's base URL (``http://127.0.0.1:PORT``); stop it on exit."""
+def serve_app(app: Any, **config: Any) -> Iterator[str]:
+    """Yield the server's base URL (``http://127.0.0.1:PORT``); stop it on exit. ``config``:
+    more ``uvicorn.Config`` keywords (default ``log_level="error"``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, **{"log_level": "error", **config})
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120  # a hang guard: a loaded machine may start it slowly
