@@ -11,6 +11,14 @@ folder verifies (signature, every file's sha256, nothing extra, no symlink) and 
 files match is it renamed into ``releases/`` and its registry rows committed, under the
 registry's write lock: a version that fails verification is never visible. A file whose bytes do
 not match is deleted from the staging folder, so the next pull fetches it afresh.
+
+A mirror is not trusted beyond the signature: the signed label must be the one the source names,
+a pull never moves an alias to an older version than it names now (``allow_downgrade`` to roll
+back on purpose) and never moves ``candidate``; replies must not be content-encoded. The staging
+folder is the pull's own: a symlink in it is refused, files the manifest does not list are
+deleted before fetching, and what was verified is checked unchanged under the lock before the
+rename. A version already registered here is verified before its alias moves; one that fails is
+fetched again and its folder replaced (a repair).
 """
 
 from __future__ import annotations
@@ -42,11 +50,13 @@ from nimmer_train.publish.manifest import (
     verify_folder,
 )
 from nimmer_train.publish.registry import PREFIX, REGISTRY_FILE, Registry
-from nimmer_train.publish.signing import Keyring
+from nimmer_train.publish.signing import Keyring, SignatureError
 
 PULLS = ".pulls"  # releases/.pulls/<label>-<manifest sha[:16]>/: pulls in progress, kept across kills
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest or signature larger than this is refused unread
 CHUNK = 1 << 20
+IDENTITY = {"Accept-Encoding": "identity"}  # bytes as signed: no decompression (no gzip bomb)
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class PullError(NimmerError):
@@ -63,6 +73,8 @@ class PullResult:
     already: bool  # the version was registered here before this pull
     alias: str | None
     seconds: float
+    repaired: bool = False  # registered here but failed verification: fetched again and replaced
+    discarded: tuple[str, ...] = ()  # unlisted files found in the staging folder and deleted
 
 
 class Source:
@@ -77,7 +89,7 @@ class Source:
         self.http = location.startswith(("http://", "https://"))
         if self.http:
             self.client = client or httpx.Client(timeout=timeout_s, follow_redirects=True)
-            self.root = location.rsplit("/", 1)[0]
+            self.root, self.name = location.rsplit("/", 1)
         else:
             folder = Path(location.removeprefix("file://")).expanduser()
             if not folder.is_dir():
@@ -85,7 +97,7 @@ class Source:
                     f"pull source {location}: no such folder; give a version folder "
                     f"(.../releases/{PREFIX}N) or its http(s) URL"
                 )
-            self.folder, self.root = folder, str(folder.parent)
+            self.folder, self.root, self.name = folder, str(folder.parent), folder.name
 
     def where(self, rel: str, lora: bool = False) -> str:
         """The address of ``rel`` (relative to the version folder, or to the root for a LoRA)."""
@@ -105,11 +117,12 @@ class Source:
                 raise IntegrityError(f"{where} is larger than {MAX_MANIFEST_BYTES} bytes; refused")
             return path.read_bytes()
         try:
-            with self.client.stream("GET", where) as reply:
+            with self.client.stream("GET", where, headers=IDENTITY) as reply:
                 if reply.status_code != 200:
                     raise PullError(
                         f"GET {where}: HTTP {reply.status_code}; is {self.location} a version URL?"
                     )
+                _plain(reply, where)
                 body = b""
                 for chunk in reply.iter_bytes():
                     body += chunk
@@ -124,7 +137,16 @@ class Source:
     def fetch(self, where: str, target: Path, size: int) -> tuple[int, int]:
         """Bring ``target`` up to ``size`` bytes from ``where``, continuing what is there;
         (bytes fetched, bytes resumed). Never writes past ``size``."""
-        have = target.stat().st_size if target.is_file() else 0
+        try:
+            mode = os.lstat(target).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and not stat.S_ISREG(mode):
+            raise IntegrityError(
+                f"{target} is a symlink or not a regular file; a pull writes only plain files of its "
+                f"own; remove {target.parent} and pull again"
+            )
+        have = target.stat().st_size if mode is not None else 0
         if have > size:
             target.unlink()
             have = 0
@@ -143,7 +165,7 @@ class Source:
             os.close(fd)
             raise IntegrityError(f"{where} is not a regular file; refused")
         fetched = 0
-        with os.fdopen(fd, "rb") as src, open(target, "ab") as out:
+        with os.fdopen(fd, "rb") as src, _open_staged(target, append=True) as out:
             src.seek(have)
             while have + fetched < size and (chunk := src.read(min(CHUNK, size - have - fetched))):
                 out.write(chunk)
@@ -153,10 +175,11 @@ class Source:
         return fetched, have
 
     def _fetch_http(self, where: str, target: Path, size: int, have: int) -> tuple[int, int]:
-        headers = {"Range": f"bytes={have}-"} if have else {}
+        headers = {**IDENTITY, "Range": f"bytes={have}-"} if have else IDENTITY
         fetched = 0
         try:
             with self.client.stream("GET", where, headers=headers) as reply:
+                _plain(reply, where)
                 if reply.status_code == 200:  # the server ignored the Range: start over
                     have, mode = 0, "wb"
                 elif reply.status_code == 206 and reply.headers.get("content-range", "").startswith(
@@ -169,7 +192,7 @@ class Source:
                         f"GET {where} (from byte {have}): HTTP {reply.status_code}; the partial file "
                         "was discarded, run the same pull again"
                     )
-                with open(target, mode) as out:
+                with _open_staged(target, append=mode == "ab") as out:
                     for chunk in reply.iter_bytes(CHUNK):
                         if have + fetched + len(chunk) > size:
                             raise IntegrityError(
@@ -187,6 +210,32 @@ class Source:
                 f"GET {where} ended after {have + fetched} of {size} bytes; run the same pull again"
             )
         return fetched, have
+
+
+def _plain(reply: httpx.Response, where: str) -> None:
+    """Refuse a content-encoded reply: the signed sizes are of the bytes as stored."""
+    encoding = reply.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise IntegrityError(
+            f"GET {where}: the reply is Content-Encoding {encoding!r} although identity was asked; "
+            "a mirror must send the files as they are; refused"
+        )
+
+
+def _open_staged(target: Path, append: bool) -> Any:
+    """A staged file opened for writing, never through a symlink (O_NOFOLLOW)."""
+    flags = os.O_WRONLY | os.O_CREAT | NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        fd = os.open(target, flags, 0o644)
+    except OSError as exc:
+        raise IntegrityError(
+            f"{target} cannot be written as a plain file ({exc}); a symlink in the staging folder "
+            f"is refused: remove {target.parent} and pull again"
+        ) from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IntegrityError(f"{target} is not a regular file; remove {target.parent} and pull again")
+    return os.fdopen(fd, "ab" if append else "wb")
 
 
 def _label(manifest: dict[str, Any]) -> tuple[str, int]:
@@ -222,26 +271,58 @@ def _lora_folder(entry: dict[str, Any], label: str) -> str:
     return rel
 
 
-def _existing(releases: Path, manifest: dict[str, Any], label: str, number: int) -> bool:
-    """True when this very version is registered here; NimmerError if another holds its number."""
+def _registered(releases: Path, manifest: dict[str, Any], label: str, number: int) -> str | None:
+    """The manifest sha256 recorded for this very version when it is registered here, else None;
+    NimmerError if another version holds its number."""
     if not (releases / REGISTRY_FILE).exists():
-        return False
+        return None
     registry = Registry.open(releases)
     try:
         row = registry.db.execute(
-            "SELECT version_id FROM base_model_versions WHERE version_number = ?", (number,)
+            "SELECT version_id, manifest_sha256 FROM base_model_versions WHERE version_number = ?",
+            (number,),
         ).fetchone()
     finally:
         registry.close()
     if row is None:
-        return False
+        return None
     if row[0] != manifest["version_id"]:
         raise NimmerError(
             f"{releases / REGISTRY_FILE} already holds {label} with version id {row[0]}, the pulled "
             f"one is {manifest['version_id']}: they are different versions (another publisher?); "
             "pull into another releases folder"
         )
-    return True
+    return str(row[1])
+
+
+def _refuse_downgrade(registry: Registry, alias: str, label: str, number: int) -> None:
+    """PullError when ``alias`` names a newer version than ``label`` (a mirror serving an old,
+    validly signed version must not roll a device back)."""
+    row = registry.db.execute(
+        "SELECT v.version_number, v.version_label FROM aliases a JOIN base_model_versions v "
+        "USING (version_id) WHERE a.alias = ?",
+        (alias,),
+    ).fetchone()
+    if row is not None and row[0] > number:
+        raise PullError(
+            f"{alias} is {row[1]} here and {label} is older: a pull does not move an alias backwards; "
+            "pass --allow-downgrade to roll back on purpose, or --no-alias to only register it"
+        )
+
+
+def _damage(releases: Path, label: str, keyring: Keyring) -> str | None:
+    """Why the registered ``label`` fails verification here (folder, signature, files, LoRAs),
+    or None when it verifies."""
+    from nimmer_train.publish.versions import verify_version
+
+    registry = Registry.open(releases)
+    try:
+        verify_version(registry, registry.find(label), keyring)
+    except NimmerError as exc:
+        return str(exc)
+    finally:
+        registry.close()
+    return None
 
 
 def pull_version(
@@ -250,19 +331,23 @@ def pull_version(
     keyring: Keyring,
     alias: str | None = "production",
     client: httpx.Client | None = None,
+    allow_downgrade: bool = False,
 ) -> PullResult:
     """Pull the version at ``location`` into ``releases`` (see the module docstring) and point
-    ``alias`` at it; the same version pulled again only moves the alias."""
+    ``alias`` at it (never to an older version unless ``allow_downgrade``); the same version
+    pulled again is verified and only moves the alias, or is repaired when it fails."""
     started = time.perf_counter()
     source = Source(location, client)
     try:
-        return _pull(releases, source, keyring, alias, started)
+        return _pull(releases, source, keyring, alias, allow_downgrade, started)
     finally:
         if client is None and source.http:
             source.client.close()
 
 
-def _pull(releases: Path, source: Source, keyring: Keyring, alias: str | None, started: float) -> PullResult:
+def _pull(
+    releases: Path, source: Source, keyring: Keyring, alias: str | None, downgrade: bool, started: float
+) -> PullResult:
     raw = source.read(MANIFEST)
     sig_raw = source.read(SIGNATURE)
     try:
@@ -272,48 +357,176 @@ def _pull(releases: Path, source: Source, keyring: Keyring, alias: str | None, s
     key_id = keyring.verify(raw, signature, source.where(MANIFEST))  # before any other byte
     manifest = json.loads(raw)
     label, number = _label(manifest)
+    if source.name != label:
+        raise PullError(
+            f"{source.location} names {source.name}, but its signed manifest is {label}: the source "
+            "serves another version than the one asked for; refused, nothing was fetched"
+        )
     files = manifest["blob_distribution"]["files"]
     loras = [c for c in manifest.get("compatible_loras", []) if isinstance(c, dict)]
-    if _existing(releases, manifest, label, number):
-        _set_alias(releases, label, alias)
-        return PullResult(label, key_id, 0, 0, 0, True, alias, time.perf_counter() - started)
-
     digest = hashlib.sha256(raw).hexdigest()
+    _drop_finished(releases)
+    recorded = _registered(releases, manifest, label, number)
+    if alias and not downgrade and (releases / REGISTRY_FILE).exists():
+        registry = Registry.open(releases)
+        try:
+            _refuse_downgrade(registry, alias, label, number)
+        finally:
+            registry.close()
+    repair = False
+    if recorded is not None:
+        problem = _damage(releases, label, keyring)
+        if problem is None:
+            _set_alias(releases, label, number, alias, downgrade)
+            return PullResult(label, key_id, 0, 0, 0, True, alias, time.perf_counter() - started)
+        if recorded != digest:
+            raise IntegrityError(
+                f"{label} is registered here but fails verification ({problem}); the pulled manifest "
+                f"(sha256 {digest[:12]}) is not the one registered ({recorded[:12]}), so it cannot "
+                "repair it: pull it from the mirror it first came from"
+            )
+        repair = True
+
     work = releases / PULLS / f"{label}-{digest[:16]}"
     staged = work / "version"
-    staged.mkdir(parents=True, exist_ok=True)
-    (staged / MANIFEST).write_bytes(raw)
-    (staged / SIGNATURE).write_bytes(sig_raw)
-    fetched = resumed = count = 0
+    listed = {f"version/{name}" for name in (MANIFEST, SIGNATURE)}
     for row in files:
         rel = safe_relative(row["path"], label)
         if rel in (MANIFEST, SIGNATURE):
             raise IntegrityError(f"{label}: the manifest lists {rel} as a blob; refused")
-        got, had = _fetch_checked(source, source.where(rel), staged / rel, row, label)
+        listed.add(f"version/{rel}")
+    for entry in loras:
+        rel = _lora_folder(entry, label)
+        what = f"LoRA {entry['lora_id']}"
+        listed |= {f"{rel}/{safe_relative(r['path'], what)}" for r in entry["files"]}
+    discarded = _prepare(releases / PULLS, work, listed)
+    staged.mkdir(parents=True, exist_ok=True)
+    for name, data in ((MANIFEST, raw), (SIGNATURE, sig_raw)):
+        with _open_staged(staged / name, append=False) as out:
+            out.write(data)
+    fetched = resumed = count = 0
+    for row in files:
+        got, had = _fetch_checked(source, source.where(row["path"]), staged / row["path"], row, label)
         fetched, resumed, count = fetched + got, resumed + had, count + 1
     new_loras: dict[str, Path] = {}
     for entry in loras:
         rel = _lora_folder(entry, label)
         if (releases / rel).is_dir() and _lora_registered(releases, entry["lora_id"]):
-            check_files(releases / rel, entry["files"], f"LoRA {entry['lora_id']} (already here)")
-            continue
+            try:
+                check_files(releases / rel, entry["files"], f"LoRA {entry['lora_id']} (already here)")
+                continue
+            except IntegrityError:
+                pass  # damaged here: fetched again below and put back in place under the lock
         folder = work / rel
         for row in entry["files"]:
-            path = safe_relative(row["path"], f"LoRA {entry['lora_id']}")
-            where = source.where(f"{rel}/{path}", lora=True)
-            got, had = _fetch_checked(source, where, folder / path, row, f"LoRA {entry['lora_id']}")
+            where = source.where(f"{rel}/{row['path']}", lora=True)
+            got, had = _fetch_checked(source, where, folder / row["path"], row, f"LoRA {entry['lora_id']}")
             fetched, resumed, count = fetched + got, resumed + had, count + 1
-        check_files(folder, entry["files"], f"LoRA {entry['lora_id']}")
         new_loras[entry["lora_id"]] = folder
 
-    # the same check every reader runs, on the staged folder, before it can be seen
-    verified = verify_folder(staged, keyring)
-    if (staged / MANIFEST).read_bytes() != raw or verified.get("version_id") != manifest["version_id"]:
-        raise IntegrityError(f"{label}: the staged manifest changed while pulling; pull again")
-    _commit(releases, staged, manifest, digest, key_id, loras, new_loras, alias)
+    snapshot = _snapshot(work)  # before the checks: a change during or after them shows under the lock
+    try:
+        # the same check every reader runs, on the staged folder, before it can be seen
+        verified = verify_folder(staged, keyring)
+        if (staged / MANIFEST).read_bytes() != raw or verified.get("version_id") != manifest["version_id"]:
+            raise IntegrityError(f"{label}: the staged manifest changed while pulling")
+        for entry in loras:
+            if entry["lora_id"] in new_loras:
+                check_files(new_loras[entry["lora_id"]], entry["files"], f"LoRA {entry['lora_id']}")
+        staging = Staging(work, snapshot, repair, alias, downgrade)
+        _commit(releases, staged, manifest, digest, key_id, loras, new_loras, staging)
+    except (IntegrityError, SignatureError) as exc:
+        shutil.rmtree(work, ignore_errors=True)
+        raise IntegrityError(
+            f"{exc}; the staging folder {work} was discarded and nothing was registered: run the "
+            "same pull again"
+        ) from exc
     for stale in (releases / PULLS).glob(f"{label}-*"):  # this pull's, and older attempts' at it
         shutil.rmtree(stale, ignore_errors=True)
-    return PullResult(label, key_id, count, fetched, resumed, False, alias, time.perf_counter() - started)
+    return PullResult(
+        label,
+        key_id,
+        count,
+        fetched,
+        resumed,
+        False,
+        alias,
+        time.perf_counter() - started,
+        repair,
+        tuple(discarded),
+    )
+
+
+@dataclass(frozen=True)
+class Staging:
+    """What ``_commit`` needs beyond the manifest: the staging folder and its verified state."""
+
+    work: Path
+    snapshot: dict[str, tuple[int, ...]]
+    repair: bool  # the version is registered: replace its folder, insert no rows
+    alias: str | None
+    downgrade: bool
+
+
+def _prepare(pulls: Path, work: Path, listed: set[str]) -> list[str]:
+    """Make the staging folder the pull's own before fetching into it: refuse ``.pulls``, the
+    folder or anything in it being a symlink; delete files the manifest does not list (and a
+    folder where a listed file belongs). Returns what was deleted."""
+    for path in (pulls, work):
+        if path.is_symlink():
+            raise IntegrityError(
+                f"{path} is a symlink; a pull stages only inside releases/: remove it and pull again"
+            )
+    discarded: list[str] = []
+    if not work.is_dir():
+        return discarded
+    for root, dirs, names in os.walk(work):
+        for name in sorted(names + dirs):
+            path = Path(root) / name
+            rel = path.relative_to(work).as_posix()
+            if path.is_symlink():
+                raise IntegrityError(
+                    f"{rel} in the staging folder {work} is a symlink; a pull writes only its own plain "
+                    f"files: remove {work} and pull again"
+                )
+            if name in dirs and rel in listed:
+                shutil.rmtree(path)
+                dirs.remove(name)
+                discarded.append(f"{rel}/")
+            elif name in names and rel not in listed:
+                path.unlink()
+                discarded.append(rel)
+    return discarded
+
+
+def _snapshot(work: Path) -> dict[str, tuple[int, ...]]:
+    """Every path under ``work`` with its inode, size, mtime and ctime (ctime cannot be set back)."""
+    seen: dict[str, tuple[int, ...]] = {}
+    for root, dirs, names in os.walk(work):
+        for name in dirs + names:
+            st = os.lstat(Path(root) / name)
+            rel = (Path(root) / name).relative_to(work).as_posix()
+            seen[rel] = (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return seen
+
+
+def _drop_finished(releases: Path) -> None:
+    """Delete staging folders of pulls that committed but were killed before cleaning up: the
+    version is registered with that manifest and its folder was renamed out of the staging."""
+    pulls = releases / PULLS
+    if pulls.is_symlink() or not pulls.is_dir() or not (releases / REGISTRY_FILE).exists():
+        return
+    registry = Registry.open(releases)
+    try:
+        done = {
+            f"{r[0]}-{r[1][:16]}"
+            for r in registry.db.execute("SELECT version_label, manifest_sha256 FROM base_model_versions")
+        }
+    finally:
+        registry.close()
+    for folder in pulls.iterdir():
+        if folder.name in done and not folder.is_symlink() and not (folder / "version").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _lora_registered(releases: Path, lora_id: str) -> bool:
@@ -342,15 +555,16 @@ def _commit(
     key_id: str,
     loras: list[dict[str, Any]],
     new_loras: dict[str, Path],
-    alias: str | None,
+    staging: Staging,
 ) -> None:
-    """Under the registry's write lock: rename the verified folders into place, insert the rows
-    (publish's own row format), move the alias; a kill before the commit leaves folders without
-    rows, which the next publish or pull removes."""
+    """Under the registry's write lock: check the staging folder is as verified, rename the
+    verified folders into place, insert the rows (publish's own row format; ``candidate`` is left
+    where it was), move the alias; a kill before the commit leaves folders without rows, which
+    the next publish or pull removes."""
     from nimmer_train.artifacts import _fsync_tree
     from nimmer_train.publish.release import _insert
 
-    label = manifest["version_label"]
+    label, number = manifest["version_label"], int(manifest["version_label"].rsplit("v", 1)[1])
     for folder in [staged, *new_loras.values()]:
         _fsync_tree(folder)
     registry = Registry.open(releases, create=True)
@@ -358,9 +572,16 @@ def _commit(
         with registry.writing():
             registry.remove_leftovers()
             known = {v.label: v.id for v in registry.versions()}
-            if manifest["version_id"] in known.values():  # another pull won the lock first
+            if not staging.repair and manifest["version_id"] in known.values():  # another pull won
                 return
-            registered = {k for k in new_loras if registry.lora(k) is not None}  # by a pull meanwhile
+            if staging.alias and not staging.downgrade:
+                _refuse_downgrade(registry, staging.alias, label, number)
+            if _snapshot(staging.work) != staging.snapshot:
+                raise IntegrityError(
+                    f"{label}: a file in the staging folder {staging.work} changed after it was "
+                    "verified (another process writes there?)"
+                )
+            registered = {k for k in new_loras if registry.lora(k) is not None}  # damaged, or a race
             rows = [
                 {
                     **{k: entry[k] for k in ("lora_id", "register", "fingerprint", "path", "files")},
@@ -374,42 +595,68 @@ def _commit(
                 if entry["lora_id"] in new_loras and entry["lora_id"] not in registered
             ]
             parent = manifest.get("parent_version")
-            try:  # the rows first: they commit only after the folders are in place
-                _insert(
-                    registry,
-                    label,
-                    {
-                        "manifest": manifest,
-                        "manifest_sha256": digest,
-                        "key_id": key_id,
-                        "parent": known.get(parent) if parent else None,  # None: not pulled here
-                        "loras": rows,
-                        "compat": loras,
-                    },
-                )
-            except sqlite3.IntegrityError as exc:
-                raise NimmerError(
-                    f"{label} cannot be registered in {releases / REGISTRY_FILE} ({exc}): it clashes "
-                    "with a version already there; pull into another releases folder"
-                ) from exc
-            os.replace(staged, releases / label)
+            candidate = registry.db.execute(
+                "SELECT version_id, set_at FROM aliases WHERE alias = 'candidate'"
+            ).fetchone()
+            if not staging.repair:
+                try:  # the rows first: they commit only after the folders are in place
+                    _insert(
+                        registry,
+                        label,
+                        {
+                            "manifest": manifest,
+                            "manifest_sha256": digest,
+                            "key_id": key_id,
+                            "parent": known.get(parent) if parent else None,  # None: not pulled here
+                            "loras": rows,
+                            "compat": loras,
+                        },
+                    )
+                except sqlite3.IntegrityError as exc:
+                    raise NimmerError(
+                        f"{label} cannot be registered in {releases / REGISTRY_FILE} ({exc}): it clashes "
+                        "with a version already there; pull into another releases folder"
+                    ) from exc
+                _keep_candidate(registry, candidate)
+            _put(releases / label, staged, staging.work)
             for lora_id, folder in new_loras.items():
                 (releases / "loras").mkdir(exist_ok=True)
-                if not (releases / "loras" / lora_id).exists():  # its row's folder gone: put it back
-                    os.replace(folder, releases / "loras" / lora_id)
+                target = releases / "loras" / lora_id
+                if not target.exists() or lora_id in registered:  # missing, or damaged: put it back
+                    _put(target, folder, staging.work)
             _fsync_dir(releases)
-            if alias:
-                registry.set_alias(alias, registry.find(label), _now())
+            if staging.alias:
+                registry.set_alias(staging.alias, registry.find(label), _now())
     finally:
         registry.close()
 
 
-def _set_alias(releases: Path, label: str, alias: str | None) -> None:
+def _put(target: Path, folder: Path, work: Path) -> None:
+    """Rename the verified ``folder`` to ``target``, moving a folder already there (a damaged
+    copy being repaired) into the staging folder, which is deleted after the commit."""
+    if target.exists() or target.is_symlink():
+        os.replace(target, work / f"replaced-{target.name}")
+    os.replace(folder, target)
+
+
+def _keep_candidate(registry: Registry, candidate: sqlite3.Row | None) -> None:
+    """Undo ``_insert``'s move of ``candidate`` (publish's habit): a pull never moves it."""
+    if candidate is None:
+        registry.db.execute("DELETE FROM aliases WHERE alias = 'candidate'")
+    else:
+        registry.db.execute(
+            "UPDATE aliases SET version_id = ?, set_at = ? WHERE alias = 'candidate'", tuple(candidate)
+        )
+
+
+def _set_alias(releases: Path, label: str, number: int, alias: str | None, downgrade: bool) -> None:
     if not alias:
         return
     registry = Registry.open(releases)
     try:
         with registry.writing():
+            if not downgrade:
+                _refuse_downgrade(registry, alias, label, number)
             registry.set_alias(alias, registry.find(label), _now())
     finally:
         registry.close()

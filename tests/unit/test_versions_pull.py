@@ -6,6 +6,8 @@ session; ``nimmer serve`` follows the alias while a turn is in flight, and that 
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import shutil
 import threading
@@ -19,6 +21,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
+import nimmer_train.artifacts
 from nimmer_train.artifacts import read_manifest, write_manifest
 from nimmer_train.cli import main
 from nimmer_train.publish.manifest import IntegrityError
@@ -113,7 +116,8 @@ def test_pull_over_http_verifies_registers_and_moves_production(
     got = pull_version(device, str(releases / V2), Keyring.load(trusted))  # a local path (USB stick)
     assert (got.label, got.already, _production(device)) == (V2, False, V2)
     assert sorted(open_version(device, V2, Keyring.load(trusted)).loras) == [REGISTER]  # shared LoRA
-    again = pull_version(device, str(releases / V1), Keyring.load(trusted), alias="production")
+    rollback = {"allow_downgrade": True}  # production is v2: moving it back to v1 is asked for
+    again = pull_version(device, str(releases / V1), Keyring.load(trusted), **rollback)
     assert (again.already, again.fetched_bytes, _production(device)) == (True, 0, V1)
 
 
@@ -292,3 +296,144 @@ def test_serve_started_before_the_first_pull_serves_it_once_pulled(
         pull_version(device, str(releases / V1), Keyring.load(trusted))
         _wait(lambda: httpx.get(f"{url}/health").json().get("model") == V1, "v1 to be served")
         assert f"{V1}:{REGISTER}" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+
+
+def _staging(releases: Path, device: Path, label: str) -> Path:
+    """The staging folder a pull of ``label`` uses: releases/.pulls/<label>-<manifest sha[:16]>."""
+    digest = hashlib.sha256((releases / label / "manifest.json").read_bytes()).hexdigest()
+    return device / PULLS / f"{label}-{digest[:16]}"
+
+
+def _aliases(device: Path) -> dict[str, str]:
+    registry = Registry.open(device)
+    try:
+        return registry.aliases()
+    finally:
+        registry.close()
+
+
+def test_pull_refuses_a_manifest_whose_label_is_not_the_sources(
+    publisher: tuple[Path, Path], tmp_path: Path
+) -> None:
+    releases, trusted = publisher
+    mirror = tmp_path / "mirror"
+    shutil.copytree(releases / V1, mirror / "nimmerworld-base-v9")  # validly signed v1, served as v9
+    device = tmp_path / "device" / "releases"
+    with pytest.raises(PullError, match=r"names nimmerworld-base-v9, but its signed manifest is " + V1):
+        pull_version(device, str(mirror / "nimmerworld-base-v9"), Keyring.load(trusted))
+    assert not device.exists()  # refused before anything was fetched or staged
+
+
+def test_pull_of_an_older_version_does_not_move_production_backwards(
+    publisher: tuple[Path, Path], tmp_path: Path
+) -> None:
+    releases, trusted = publisher
+    device = tmp_path / "device" / "releases"
+    pull_version(device, str(releases / V2), Keyring.load(trusted))
+    assert _aliases(device) == {"production": V2}  # a pull never sets candidate
+    registry = Registry.open(device)
+    try:
+        registry.set_alias("candidate", registry.find(V2), "2026-01-01T00:00:00+00:00")
+    finally:
+        registry.close()
+    with pytest.raises(PullError, match=rf"production is {V2} here and {V1} is older.*--allow-downgrade"):
+        pull_version(device, str(releases / V1), Keyring.load(trusted))
+    assert not (device / V1).exists()
+    got = pull_version(device, str(releases / V1), Keyring.load(trusted), alias=None)  # only registered
+    assert got.label == V1 and not got.already
+    assert _aliases(device) == {"production": V2, "candidate": V2}  # neither moved
+    argv = ["versions", "--releases", str(device), "--trusted-keys", str(trusted), "pull"]
+    assert main([*argv, str(releases / V1), "--allow-downgrade"]) == 0  # a rollback on purpose
+    assert _aliases(device) == {"production": V1, "candidate": V2}
+
+
+def test_a_symlink_in_the_staging_folder_is_refused_and_its_target_untouched(
+    publisher: tuple[Path, Path], tmp_path: Path
+) -> None:
+    releases, trusted = publisher
+    device = tmp_path / "device" / "releases"
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"outside releases/")
+    staged = _staging(releases, device, V1) / "version"
+    staged.mkdir(parents=True)
+    (staged / "config.json").symlink_to(victim)  # planted by another local user
+    with pytest.raises(IntegrityError, match=r"version/config\.json in the staging folder .* is a symlink"):
+        pull_version(device, str(releases / V1), Keyring.load(trusted))
+    assert victim.read_bytes() == b"outside releases/" and not (device / REGISTRY_FILE).exists()
+    shutil.rmtree(device / PULLS)
+    (device / PULLS).symlink_to(tmp_path, target_is_directory=True)  # .pulls itself elsewhere
+    with pytest.raises(IntegrityError, match=r"\.pulls is a symlink"):
+        pull_version(device, str(releases / V1), Keyring.load(trusted))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["device", "victim.txt"]
+
+
+def test_a_staged_file_changed_after_verification_is_not_registered(
+    publisher: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    releases, trusted = publisher
+    device = tmp_path / "device" / "releases"
+    real = nimmer_train.artifacts._fsync_tree
+
+    def racing_writer(folder: Path) -> None:  # stands in for another process writing in the window
+        if folder.name == "version":  # after verify_folder, before the lock and the rename
+            (folder / "config.json").write_text('{"tampered": true}')
+        real(folder)
+
+    monkeypatch.setattr(nimmer_train.artifacts, "_fsync_tree", racing_writer)
+    with pytest.raises(IntegrityError, match=r"changed after it was verified.*was discarded"):
+        pull_version(device, str(releases / V1), Keyring.load(trusted))
+    registry = Registry.open(device)
+    try:
+        assert registry.versions() == [] and not (device / V1).exists()  # nothing registered
+    finally:
+        registry.close()
+    assert not _staging(releases, device, V1).exists()
+
+
+def test_a_damaged_version_is_repaired_and_stray_or_finished_staging_is_cleaned(
+    publisher: tuple[Path, Path], tmp_path: Path
+) -> None:
+    releases, trusted = publisher
+    device = tmp_path / "device" / "releases"
+    stray = _staging(releases, device, V1) / "version" / "stray.bin"
+    stray.parent.mkdir(parents=True)
+    stray.write_bytes(b"left by something else")  # used to fail every later pull of v1
+    got = pull_version(device, str(releases / V1), Keyring.load(trusted))
+    assert got.discarded == ("version/stray.bin",) and _production(device) == V1
+
+    weights = device / V1 / "model.safetensors"  # a flipped byte on this device
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    (lora_file,) = [p for p in (device / "loras").rglob("*.safetensors")]
+    lora_file.write_bytes(lora_file.read_bytes()[:-1])  # and a truncated LoRA file
+    got = pull_version(device, str(releases / V1), Keyring.load(trusted))
+    assert (got.already, got.repaired) == (False, True)
+    assert sorted(open_version(device, "production", Keyring.load(trusted)).loras) == [REGISTER]
+
+    finished = _staging(releases, device, V1) / "loras" / "x"  # a pull killed right after its COMMIT
+    finished.mkdir(parents=True)
+    again = pull_version(device, str(releases / V1), Keyring.load(trusted))
+    assert again.already and not any((device / PULLS).iterdir())
+
+
+def test_pull_asks_for_identity_and_refuses_a_content_encoded_reply(
+    publisher: tuple[Path, Path], tmp_path: Path
+) -> None:
+    releases, trusted = publisher
+    asked: list[bytes | None] = []
+
+    async def gzipping(scope: dict, receive: Any, send: Any) -> None:
+        """Serves the releases folder, gzip-encoded (a decompression bomb would be), whatever asked."""
+        asked.append(dict(scope["headers"]).get(b"accept-encoding"))
+        path = releases / scope["path"].lstrip("/")
+        body = gzip.compress(path.read_bytes()) if path.is_file() else b""
+        headers = [(b"content-encoding", b"gzip"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200 if body else 404, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    device = tmp_path / "device" / "releases"
+    refused = pytest.raises(IntegrityError, match=r"Content-Encoding 'gzip' although identity was asked")
+    with serve_app(gzipping) as url, refused:
+        pull_version(device, f"{url}/{V1}", Keyring.load(trusted))
+    assert asked == [b"identity"] and not device.exists()
