@@ -4,13 +4,16 @@ nimmer memory inspect PLAYER_DIR
 nimmer memory generate PLAYER_DIR [--seed N] [--entries N]
 nimmer memory consolidate AGENT_DIR | mcp AGENT_DIR [--no-watch]
 nimmer versions [--releases DIR] [--trusted-keys DIR] list | show V | verify V | promote V
+nimmer versions pull URL_OR_PATH [--alias production | --no-alias] [--allow-downgrade]
 nimmer keys generate PRIVATE_KEY [--trust DIR]
 nimmer keys trust PUBLIC_KEY DIR
 nimmer serve [--releases DIR] [--version production] [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
+             [--reload-s 5]
 nimmer consent show PLAYER_DIR | set TIER PLAYER_DIR | revoke PLAYER_DIR | exclude CATEGORY PLAYER_DIR
+nimmer llm-config show PLAYER_DIR | set PLAYER_DIR --player-id ID [--casual-ring R ...] [--key-stdin TIER]
 nimmer contribute PLAYER_DIR --superlink HOST:PORT --root-certificates CA [--releases DIR] [--version V]
-nimmer contributions [upload | forget] PLAYER_DIR
-nimmer federation certs DIR --host HOST | a2 add|status|forget --pool POOL ...
+nimmer contributions [upload | forget] PLAYER_DIR [--intake URL]
+nimmer federation certs DIR --host HOST | a2 add|status|forget --pool POOL ... | a2 serve --folder DIR
 """
 
 from __future__ import annotations
@@ -124,6 +127,8 @@ def _versions(args: argparse.Namespace) -> int:
             f"{verified.label}: signature OK (key {sig['key_id']}); {len(files)} files, {size / 1e6:.1f} MB "
             f"match their sha256 ({seconds:.2f} s); LoRAs OK: {', '.join(verified.loras) or 'none'}"
         )
+    elif args.command == "pull":
+        _pull(args, releases)
     else:  # promote
         registry = Registry.open(releases)
         try:
@@ -142,6 +147,25 @@ def _versions(args: argparse.Namespace) -> int:
         finally:
             registry.close()
     return 0
+
+
+def _pull(args: argparse.Namespace, releases: Path) -> None:
+    from nimmer_train.publish.pull import pull_version
+    from nimmer_train.publish.signing import Keyring
+
+    keyring = Keyring.load(args.trusted_keys or releases.parent / "keys" / "trusted")
+    got = pull_version(releases, args.source, keyring, args.alias, allow_downgrade=args.allow_downgrade)
+    moved = f"; {got.alias} -> {got.label}" if got.alias else ""
+    if got.discarded:
+        print(f"deleted from the staging folder, not in the manifest: {', '.join(got.discarded)}")
+    if got.already:
+        print(f"{got.label} is already here (signature OK, key {got.key_id}){moved}")
+        return
+    print(
+        f"{'repaired' if got.repaired else 'pulled'} {got.label} into {releases}: signature OK "
+        f"(key {got.key_id}), {got.files} files match their sha256; {got.fetched_bytes / 1e6:.1f} MB "
+        f"fetched, {got.resumed_bytes / 1e6:.1f} MB resumed, {got.seconds:.2f} s{moved}"
+    )
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -170,7 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from nimmer_train.runtime.local_model import LocalModel
-    from nimmer_train.runtime.openai_server import create_app, model_ids
+    from nimmer_train.runtime.openai_server import Reload, create_app, model_ids
 
     api_key = serve_api_key(args.host, args.api_key_env)
     trusted = args.trusted_keys or args.releases.parent / "keys" / "trusted"
@@ -181,7 +205,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"serving {', '.join(model_ids(model))} on http://{args.host}:{args.port}/v1{auth}", flush=True)
         return model
 
-    app = create_app(load, api_key=api_key, adapter_updates=args.allow_adapter_updates)
+    # follow the alias: a version promoted (or pulled) while serving is swapped in, turns kept
+    reload = Reload.alias(args.releases, args.version, trusted, args.reload_s) if args.reload_s > 0 else None
+    app = create_app(load, api_key=api_key, adapter_updates=args.allow_adapter_updates, reload=reload)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -212,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             return _keys(args)
         if args.group in CONTRIBUTOR_GROUPS:
             return CONTRIBUTOR_GROUPS[args.group](args)
+        if args.group == "llm-config":
+            return _llm_config(args)
         return _memory(args)
     except NimmerError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -226,6 +254,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_keys(groups)
     _add_serve(groups)
     _add_contributor(groups)
+    _add_llm_config(groups)
     return parser
 
 
@@ -274,6 +303,15 @@ def _add_versions(groups: Any) -> None:
         cmd.add_argument("version", help="vN, nimmerworld-base-vN, candidate or production")
         if name == "promote":
             cmd.add_argument("--alias", default="production")
+    pull = vcmd.add_parser(
+        "pull", help="fetch a version (resumable), verify it, register it here", parents=[after]
+    )
+    pull.add_argument("source", help="a version folder's http(s) URL or path (.../nimmerworld-base-vN)")
+    pull.add_argument("--alias", default="production", help="point this alias at it (default: production)")
+    pull.add_argument("--no-alias", dest="alias", action="store_const", const=None, help="only register it")
+    pull.add_argument(
+        "--allow-downgrade", action="store_true", help="let the alias move to an older version (a rollback)"
+    )
 
 
 def _release_options(defaults: bool) -> argparse.ArgumentParser:
@@ -327,6 +365,13 @@ def _add_serve(groups: Any) -> None:
         "--allow-adapter-updates",
         action="store_true",
         help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (registry-listed LoRAs only)",
+    )
+    serve.add_argument(
+        "--reload-s",
+        type=float,
+        default=5.0,
+        help="resolve --version again every this many seconds and swap in the version it names "
+        "now, finishing turns in flight on the old one (0: never; default 5)",
     )
 
 
@@ -472,6 +517,8 @@ def _contributions(args: argparse.Namespace) -> int:
         else:
             print("\n".join(contributions.render(log)) or f"{folder}: nothing has left this device yet")
         return 0
+    if action in ("upload", "forget") and args.intake:
+        return _through_intake(action, folder, args.intake)
     if action == "upload":
         return _upload(folder, args.out)
     if action == "forget":
@@ -479,6 +526,28 @@ def _contributions(args: argparse.Namespace) -> int:
     raise NimmerError(
         f"nimmer contributions {action}: unknown; use PLAYER_DIR, upload PLAYER_DIR or forget PLAYER_DIR"
     )
+
+
+def _through_intake(action: str, folder: Path, url: str) -> int:
+    """``contributions upload|forget PLAYER_DIR --intake URL``: through the operator's service."""
+    from nimmer_train.federation.intake_service import IntakeClient, device_key, forget_through, send_uploads
+    from nimmer_train.memory.consent import read_profile
+
+    memory = _open_player(folder)
+    try:
+        client = IntakeClient(url, device_key(folder))
+        if action == "upload":
+            ids = send_uploads(memory, *read_profile(folder), client)
+            print(f"sent {len(ids)} anonymised upload(s) to {url}: {', '.join(ids)}")
+        else:
+            answer = forget_through(memory, client)
+            print(
+                f"the intake forgot {len(answer['dropped'])} upload(s) ({len(answer['blocked'])} not held, "
+                "refused should they arrive); forward-only: released adapters keep what they learned"
+            )
+    finally:
+        memory.close()
+    return 0
 
 
 def _upload(folder: Path, out: Path | None) -> int:
@@ -621,6 +690,8 @@ def _federation(args: argparse.Namespace) -> int:
             f"for {', '.join(args.host)}"
         )
         return 0
+    if args.a2_command == "serve":
+        return _a2_serve(args)
     from nimmer_train.artifacts import write_json_atomic
     from nimmer_train.federation.intake import add_uploads, apply_deletion_request, pooled_ids
     from nimmer_train.privacy.a2_pool import pool_summary
@@ -644,6 +715,22 @@ def _federation(args: argparse.Namespace) -> int:
             f"forgot {len(answer['dropped'])} upload(s) in {args.pool} ({len(answer['blocked'])} were not "
             f"pooled and are now refused); answer for the device: {path}"
         )
+    return 0
+
+
+def _a2_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from nimmer_train.federation.intake_service import LOG_FILE, SERVER_LOGGING, local_app, log_to
+
+    app = local_app(args.folder, args.k, args.pool, max_body=args.max_body)
+    log_to(args.folder / LOG_FILE)
+    pool = args.pool or args.folder / "a2_pool.sqlite"
+    print(
+        f"A.2 intake on http://{args.host}:{args.port} (k={args.k}); the pool for training: {pool}",
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, **SERVER_LOGGING)
     return 0
 
 
@@ -688,6 +775,7 @@ def _add_contributor(groups: Any) -> None:
     log.add_argument("--json", action="store_true")
     log.add_argument("--out", type=Path, default=None, help="upload: a folder; forget: the request file")
     log.add_argument("--answer", type=Path, default=None, help="forget: the operator's answer file")
+    log.add_argument("--intake", default=None, help="upload/forget through the operator's A.2 intake URL")
 
     contribute = groups.add_parser("contribute", help="join a federation: a Flower SuperNode for this player")
     contribute.add_argument("player_dir", type=Path)
@@ -728,6 +816,46 @@ def _add_contributor(groups: Any) -> None:
         elif name == "forget":
             cmd.add_argument("request", type=Path)
             cmd.add_argument("--answer", type=Path, default=None, help="default: REQUEST.answer.json")
+    serve = a2.add_parser("serve", help="the intake as an HTTP service devices upload through")
+    serve.add_argument("--folder", type=Path, required=True, help="the intake's store, pool and log")
+    serve.add_argument("--pool", type=Path, default=None, help="default: FOLDER/a2_pool.sqlite")
+    serve.add_argument("--k", type=int, default=k, help=f"distinct enrolled keys to release (default {k})")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8470)
+    serve.add_argument("--max-body", type=int, default=2**20, help="bytes per request (413 above)")
+
+
+def _add_llm_config(groups: Any) -> None:
+    """``nimmer llm-config``: the player's player_llm_config row and sealed BYOK keys."""
+    cmds = groups.add_parser("llm-config", help="the player's LLM tiers, rings and keys").add_subparsers(
+        dest="command", required=True
+    )
+    cmds.add_parser("show", help="the row (keys as refs only)").add_argument("player_dir", type=Path)
+    set_cmd = cmds.add_parser("set", help="set tiers' rings, providers, endpoints, models; seal a key")
+    set_cmd.add_argument("player_dir", type=Path)
+    set_cmd.add_argument("--player-id", required=True)
+    for tier in ("casual", "deep"):
+        for field in ("ring", "provider", "endpoint", "model"):
+            set_cmd.add_argument(f"--{tier}-{field}", dest=f"{tier}_tier_{field}", default=None)
+    set_cmd.add_argument("--lora-backup", choices=("on", "off"), default=None)
+    set_cmd.add_argument(
+        "--key-stdin", choices=("casual", "deep"), default=None, help="read that tier's API key from stdin"
+    )
+
+
+def _llm_config(args: argparse.Namespace) -> int:
+    from nimmer_train.memory.llm_config import FIELDS, set_config, show
+
+    if args.command == "show":
+        print(json.dumps(show(args.player_dir), indent=2, sort_keys=True))
+        return 0
+    fields = {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
+    if args.lora_backup is not None:
+        fields["lora_backup_enabled"] = args.lora_backup == "on"
+    keys = {args.key_stdin: sys.stdin.readline().strip()} if args.key_stdin else None
+    row = set_config(args.player_dir, args.player_id, keys=keys, **fields)
+    print(json.dumps(row, indent=2, sort_keys=True))
+    return 0
 
 
 if __name__ == "__main__":

@@ -348,7 +348,8 @@ def mark_explored(agent: AgentMemory, target_ids: list[str], now: float) -> None
 
 
 def curiosity_resolve(agent: AgentMemory, target_id: str, now: float | None = None) -> dict[str, Any]:
-    """Mark an open target resolved; it leaves ``curiosity_state``."""
+    """Mark an open target resolved; it leaves ``curiosity_state`` and spikes the agent's
+    curiosity_progress hormone event."""
     now = agent.clock() if now is None else now
     with agent.lock:
         db = agent.db("primary")
@@ -358,6 +359,7 @@ def curiosity_resolve(agent: AgentMemory, target_id: str, now: float | None = No
                 t["resolved_at"] = now
                 with db:
                     set_meta(db, "curiosity_targets", targets)
+                agent.hormones.spike("curiosity_progress", now)  # a closed gap is a small reward
                 return {"resolved": target_id, "at": now}
     known = ", ".join(t["id"] for t in active_targets(agent, now)) or "none"
     raise NimmerError(f"targetId: {target_id!r} is not an open curiosity target (open: {known})")

@@ -248,7 +248,7 @@ def mood_turns(cfg: Config, model: LocalModel, folder: Path) -> list[Turn]:
 
     from nimmer_train.memory.hormones import Hormones
 
-    game = {"now": time.time()}
+    game = {"now": time.time() - 9 * 3600.0}  # so the day ends before now: the agent is at rest again
     hormones = Hormones(folder, lambda: game["now"])
     register = sorted(model.registers)[0]
     traits = cfg.registers.get(register).traits

@@ -41,7 +41,9 @@ def test_three_low_searches_make_one_gap_resolve_removes_and_48h_expire(tmp_path
     curiosity.run(agent, clock.now)  # a second run finds nothing new
     gaps = [t for t in curiosity.curiosity_state(agent)["targets"] if t["kind"] == "knowledge_gap"]
     assert len(gaps) == 1 and len(gaps[0]["queries"]) == 3
+    dopamine = agent.hormones.levels(clock.now)["dopamine"]
     assert curiosity.curiosity_resolve(agent, gaps[0]["id"])["resolved"] == gaps[0]["id"]
+    assert agent.hormones.levels(clock.now)["dopamine"] > dopamine  # curiosity progress rewards
     assert curiosity.curiosity_state(agent)["counts"]["knowledge_gap"] == 0
     with pytest.raises(NimmerError, match="targetId"):
         curiosity.curiosity_resolve(agent, gaps[0]["id"])
