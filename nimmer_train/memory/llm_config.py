@@ -88,7 +88,7 @@ def _device_secret(folder: Path) -> str:
 
 def _check(row: dict[str, Any]) -> dict[str, list[str]]:
     """The design's rules on a row; returns its feature_compat_warnings per tier."""
-    from nimmer_train.runtime.providers import HIVEMIND_PROVIDER, check_tier_ring, config_warnings, profile
+    from nimmer_train.config.providers import HIVEMIND_PROVIDER, check_tier_ring, config_warnings, profile
 
     warnings: dict[str, list[str]] = {}
     if row.get("casual_tier_ring") is None:

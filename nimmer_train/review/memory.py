@@ -11,6 +11,7 @@ function takes a mode, and the in-between mode is the only reader of clasp.
 from __future__ import annotations
 
 import importlib.util
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -172,3 +173,44 @@ def dream_insights(crystals: pd.DataFrame) -> pd.DataFrame:
 def built(module: str) -> bool:
     """Whether ``nimmer_train.memory.<module>`` exists yet (hormones, dreams: other issues)."""
     return importlib.util.find_spec(f"nimmer_train.memory.{module}") is not None
+
+
+DAY_EVENTS = ((9.0, "reward"), (13.0, "error"), (13.25, "urgency"), (18.0, "social"))
+
+
+def hormone_day(
+    agent_dir: Path | None, events: tuple[tuple[float, str], ...] = DAY_EVENTS, step_minutes: int = 10
+) -> pd.DataFrame:
+    """An agent's hormones over a simulated day of game events (hour, event), starting from its
+    stored levels (or from rest without an agent), on a copy of its hormone store: the agent's
+    own store is never written. One row per step: the three levels and the mood word."""
+    import sqlite3
+    import tempfile
+
+    from nimmer_train.memory.hormones import HORMONES, STORE, Hormones, mood
+
+    with tempfile.TemporaryDirectory() as tmp:
+        stored = None if agent_dir is None else agent_dir / STORE
+        if stored is not None and stored.is_file():  # a consistent read-only copy, WAL included
+            source = sqlite3.connect(f"{stored.resolve().as_uri()}?mode=ro", uri=True)
+            target = sqlite3.connect(Path(tmp) / STORE)
+            try:
+                source.backup(target)
+            finally:
+                source.close()
+                target.close()
+        start = time.time()
+        clock = {"now": start}
+        hormones = Hormones(Path(tmp), lambda: clock["now"])
+        rows, pending = [], sorted(events)
+        try:
+            for step in range(24 * 60 // step_minutes + 1):
+                hour = step * step_minutes / 60
+                clock["now"] = start + hour * 3600
+                while pending and pending[0][0] <= hour:
+                    hormones.spike(pending.pop(0)[1], clock["now"])
+                levels = hormones.levels(clock["now"])
+                rows.append({"hour": hour, **{n: levels[n] for n in HORMONES}, "mood": mood(levels)})
+        finally:
+            hormones.close()
+    return pd.DataFrame(rows).set_index("hour")

@@ -21,15 +21,15 @@ from typing import Any, Protocol
 import httpx
 
 from nimmer_train.config import TeacherConfig
-from nimmer_train.errors import ConfigError, NimmerError
-from nimmer_train.runtime.providers import (
+from nimmer_train.config.providers import (
     HIVEMIND_KEY_ENV,
     HIVEMIND_PROVIDER,
     PROFILES,
     adapt,
     check_tier_ring,
 )
-from nimmer_train.runtime.providers import config_warnings as provider_warnings
+from nimmer_train.config.providers import config_warnings as provider_warnings
+from nimmer_train.errors import ConfigError, NimmerError
 from nimmer_train.synth.teacher.backends import chat_completion_reply, make_teacher
 from nimmer_train.synth.teacher.base import TeacherFatalError
 from nimmer_train.synth.teacher.http import post_with_retries
@@ -39,7 +39,7 @@ from nimmer_train.voice.registers import Register
 from nimmer_train.voice.sampling import SamplingKnobs
 
 RINGS = ("A", "B", "C")
-PROVIDERS = tuple(PROFILES)  # one row per provider: runtime/providers.py
+PROVIDERS = tuple(PROFILES)  # one row per provider: config/providers.py
 
 
 @dataclass

@@ -14,9 +14,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from nimmer_train.config.providers import route
 from nimmer_train.errors import NimmerError
 from nimmer_train.runtime.director import direct
-from nimmer_train.runtime.providers import route
 from nimmer_train.runtime.rings import Ring, RingReply
 from nimmer_train.runtime.selection import RegisterSelector, SelectionConfig
 from nimmer_train.voice import sampling
@@ -144,7 +144,7 @@ class NpcRuntime:
         mode = Mode.REALWORLD if mode is None else as_mode(mode)
         t = {"start": time.perf_counter()}
         name = self.selector(req.npc).update(req.gesture)
-        # Tier x Ring (runtime/providers.py): hivemind, clasp-confession and the in-between
+        # Tier x Ring (config/providers.py): hivemind, clasp-confession and the in-between
         in_between = mode is Mode.IN_BETWEEN
         tier, routed = route(name, in_between, req.tier, self.rings, self.memory is not None)
         ring = self._ring(tier)

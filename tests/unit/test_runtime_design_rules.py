@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
+from nimmer_train.config import providers
+from nimmer_train.config.providers import HIVEMIND_KEY_ENV, ProviderProfile
 from nimmer_train.errors import ConfigError, NimmerError
 from nimmer_train.memory.player_memory import Mode, PlayerMemory
 from nimmer_train.memory.sync import open_player
-from nimmer_train.runtime import providers
 from nimmer_train.runtime.director import bounds
-from nimmer_train.runtime.providers import HIVEMIND_KEY_ENV, ProviderProfile
 from nimmer_train.runtime.rings import RingC, RingConfig, RingReply, player_rings, word_count
 from nimmer_train.runtime.turn import NpcRuntime, TurnRequest
 from nimmer_train.voice.prompt_dsl import render_compact
