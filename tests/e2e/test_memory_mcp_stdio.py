@@ -12,6 +12,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 
 from tests.helpers import REPO
+from tests.helpers.memory import MEMORY_TOOLS
 
 
 @pytest.mark.slow
@@ -32,16 +33,7 @@ def test_the_cli_serves_the_memory_tools_over_stdio(tmp_path: Path) -> None:
     async def drive() -> None:
         async with Client(params) as client:
             names = [t.name for t in (await client.list_tools()).tools]
-            assert names == [
-                "memory_search",
-                "memory_get",
-                "memory_status",
-                "working_memory_note",
-                "dream_search",
-                "dream_status",
-                "curiosity_state",
-                "curiosity_resolve",
-            ]
+            assert names == MEMORY_TOOLS
             found = await client.call_tool("memory_search", {"query": "where is the spare key"})
             top = found.structured_content["results"][0]
             assert top["path"] == "MEMORY.md" and "blue door" in top["text"]

@@ -12,6 +12,18 @@ import zlib
 
 import numpy as np
 
+# the memory tools every registry offers, part 1's four then part 2's (dreams, curiosity)
+MEMORY_TOOLS = [
+    "memory_search",
+    "memory_get",
+    "memory_status",
+    "working_memory_note",
+    "dream_search",
+    "dream_status",
+    "curiosity_state",
+    "curiosity_resolve",
+]
+
 
 class HashEmbedder:
     name = "hash-trigram-test-stand-in"

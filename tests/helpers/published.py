@@ -51,19 +51,7 @@ def publish_registers(
         )
         torch.manual_seed(0)
         net = build_model(cfg, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, 0)
-    base = root / "base" / "tiny-serve"
-    net.save_pretrained(base)
-    tokenizer.save_pretrained(base)
-    lineage = {
-        "dataset_fingerprint": "0" * 64,
-        "dataset_dir": str(root / "no-corpus" / "dataset"),
-        "config_hash": "0" * 64,
-        "git_commit": "test",
-        "model": {"name": cfg.name, "family": cfg.family},
-        "train": {},
-        "metrics": {"parameters": sum(p.numel() for p in net.parameters())},
-    }
-    write_manifest(base, "base", f"serve-base-{cfg.name}", lineage)
+    base = save_base(net, tokenizer, cfg, root / "base" / "tiny-serve", root, f"serve-base-{cfg.name}")
     adapters = []
     for i, register in enumerate(registers):
         torch.manual_seed(100 + i)
@@ -81,3 +69,23 @@ def publish_registers(
     generate_key(key, root / "keys" / "trusted")
     publish_version(root / "releases", key, PublishRequest(base, adapters))
     return root / "releases", root / "keys" / "trusted"
+
+
+def save_base(net, tokenizer, cfg: ModelConfig, folder: Path, root: Path, name: str) -> Path:  # noqa: ANN001
+    """A base built here saved as the base stage would, with a manifest whose lineage says it
+    came from no corpus (what publish needs to sign it)."""
+    from nimmer_train.artifacts import write_manifest
+
+    net.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    lineage = {
+        "dataset_fingerprint": "0" * 64,
+        "dataset_dir": str(root / "no-corpus" / "dataset"),
+        "config_hash": "0" * 64,
+        "git_commit": "test",
+        "model": {"name": cfg.name, "family": cfg.family},
+        "train": {},
+        "metrics": {"parameters": sum(p.numel() for p in net.parameters())},
+    }
+    write_manifest(folder, "base", name, lineage)
+    return folder

@@ -66,9 +66,9 @@ def test_a_reward_warms_the_next_turn_and_hours_later_it_is_at_rest(
     hormones = Hormones(tmp_path / "mira", clock)
     ring = RecordingRing(model)
     runtime = NpcRuntime(
-        CATALOGUE, {"casual": ring}, registers=[REGISTER], max_new_tokens=16, hormones={"mira": hormones}
+        CATALOGUE, {"casual": ring}, registers=[REGISTER], max_new_tokens=48, hormones={"mira": hormones}
     )
-    rest = for_turn(CATALOGUE, REGISTER, PROFILE, 0.5, 0.0).as_dict() | {"max_new_tokens": 16}
+    rest = for_turn(CATALOGUE, REGISTER, PROFILE, 0.5, 0.0).as_dict() | {"max_new_tokens": 48}
     high = 1.2 * rest["temperature"]  # the top of the register's affect band (x0.8 .. x1.2)
 
     before = runtime.speak(_request())
@@ -106,7 +106,7 @@ def test_capped_hormones_keep_the_knobs_inside_the_register_band(model: LocalMod
         CATALOGUE,
         {"casual": RingA(model)},
         registers=[REGISTER],
-        max_new_tokens=16,
+        max_new_tokens=48,
         hormones={"mira": hormones},
     )
     rest = for_turn(CATALOGUE, REGISTER, PROFILE, 0.5, 0.0)

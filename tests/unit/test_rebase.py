@@ -25,6 +25,7 @@ from nimmer_train.publish.registry import Registry, release_label
 from nimmer_train.synth.synthesize import VALIDATION, VALIDATION_UNFILTERED
 from nimmer_train.voice.prompt_dsl import render_reply
 from tests.helpers.compose import config
+from tests.helpers.published import save_base
 
 REGISTERS = ("hivemind-broadcast", "drunk-scavenger")
 WORDS = {
@@ -70,20 +71,7 @@ def _base(root: Path, name: str, layers: int, seed: int, tokenizer) -> Path:  # 
     )
     torch.manual_seed(seed)
     net = build_model(cfg, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, seed)
-    folder = root / "artifacts" / "base" / name
-    net.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    lineage = {
-        "dataset_fingerprint": "0" * 64,
-        "dataset_dir": str(root / "no-corpus" / "dataset"),
-        "config_hash": "0" * 64,
-        "git_commit": "test",
-        "model": {"name": cfg.name, "family": cfg.family},
-        "train": {},
-        "metrics": {"parameters": sum(p.numel() for p in net.parameters())},
-    }
-    write_manifest(folder, "base", f"base-{name}", lineage)
-    return folder
+    return save_base(net, tokenizer, cfg, root / "artifacts" / "base" / name, root, f"base-{name}")
 
 
 def _loras(root: Path, base: Path, fps: dict[str, str]) -> list[Path]:

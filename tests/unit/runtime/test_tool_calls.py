@@ -17,7 +17,7 @@ from nimmer_train.runtime.rings import RingC, RingConfig
 from nimmer_train.runtime.turn import NpcRuntime, TurnRequest
 from nimmer_train.voice.registers import load_catalogue
 from tests.helpers.llm_server import serve
-from tests.helpers.memory import agent_memory
+from tests.helpers.memory import MEMORY_TOOLS, agent_memory
 
 CATALOGUE = load_catalogue()
 
@@ -71,16 +71,7 @@ def test_ring_c_runs_memory_tool_calls_inside_the_turn(
         first, second, third = server.requests
     assert turn.reply["utterance"] == "Aye. The spare key hangs behind the blue door."
     names = [t["function"]["name"] for t in first["tools"]]
-    assert names == [
-        "memory_search",
-        "memory_get",
-        "memory_status",
-        "working_memory_note",
-        "dream_search",
-        "dream_status",
-        "curiosity_state",
-        "curiosity_resolve",
-    ]
+    assert names == MEMORY_TOOLS
     assert first["tool_choice"] == "auto" and first["response_format"] == {"type": "json_object"}
     bad, good = second["messages"][-2:]
     assert bad["tool_call_id"] == "c1" and "argument 'maxResults'" in json.loads(bad["content"])["error"]
