@@ -76,10 +76,6 @@ def run_all(cfg: Config) -> RunAllResult:
             if cfg.publish.enabled
             else None
         )
-        if published and published.versions and cfg.publish.rebase.enabled:  # carry the previous LoRAs
-            from nimmer_train.publish.rebase import rebase_stage
-
-            rebase_stage(cfg, published, pipeline="run_all")  # says so when there is no previous version
         if published and published.versions and cfg.runtime.enabled:  # speak through what was published
             from nimmer_train.runtime.stage import speak_stage
 

@@ -1,5 +1,5 @@
-"""Carry the previous version's register LoRAs to the newest one (retrain, re-evaluate or refuse
-each, recorded in the registry): ``python -m pipelines.rebase [publish.rebase.min_gain=...]``."""
+"""What became of the previous version's register LoRAs in the newest one (inherited, retrained or
+refused; decided by publish before it signed the version): ``python -m pipelines.rebase``."""
 
 from nimmer_train.config import Config
 from pipelines.entry import pipeline

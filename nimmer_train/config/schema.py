@@ -299,7 +299,7 @@ class RebaseConfig:
     adapter by ``min_margin`` (nats/token); otherwise, and always after a major release, it is
     retrained from its recorded data and recipe (``retrain``) or refused."""
 
-    enabled: bool = True  # run_all runs it after publish when a previous version exists
+    enabled: bool = True  # publish decides the previous version's LoRAs before signing the next
     min_gain: float = 0.0  # bare-base loss minus own-adapter loss must be at least this
     min_margin: float = 0.0  # best rival adapter's loss minus own must be at least this
     retrain: bool = True  # false: a LoRA that does not fit is refused, never retrained

@@ -27,20 +27,16 @@ import dataclasses
 import json
 import logging
 import math
-import shutil
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nimmer_train import tracking
-from nimmer_train.artifacts import MANIFEST, README, atomic_dir, intact_manifest, sha256_file, write_manifest
+from nimmer_train.artifacts import MANIFEST, intact_manifest, sha256_file
 from nimmer_train.config.schema import LoraConfig, RebaseConfig
 from nimmer_train.errors import NimmerError
-from nimmer_train.loras.adapters import WEIGHTS, base_identity, load_base, read_metadata
-from nimmer_train.publish.manifest import SIGNATURE
+from nimmer_train.loras.adapters import base_identity, load_base, read_metadata
 from nimmer_train.publish.registry import Registry, Version, release_label
 from nimmer_train.voice.registers import RegistersConfig
 
@@ -48,7 +44,6 @@ if TYPE_CHECKING:
     from nimmer_train.config import Config
     from nimmer_train.loras.evaluation import Scores
     from nimmer_train.loras.train import RegisterData
-    from nimmer_train.publish.stage import PublishResult
 
 log = logging.getLogger(__name__)
 DECISIONS = ("trained_on", "rebased", "inherited-evaluated", "refused")
@@ -73,11 +68,11 @@ class RebaseResult:
     release: tuple[int, int]
     bump: str  # major | minor
     decisions: list[Decision]
-    reused: bool = False
 
     def lines(self) -> list[str]:
-        head = f"rebase: {self.previous} -> {release_label(self.target, self.release)}, a {self.bump} release"
-        out = [head + (" (decisions already recorded)" if self.reused else "")]
+        out = [
+            f"rebase: {self.previous} -> {release_label(self.target, self.release)}, a {self.bump} release"
+        ]
         out += [f"  {d.register:<26} {d.decision:<20} {d.reason}" for d in self.decisions]
         return out
 
@@ -85,22 +80,24 @@ class RebaseResult:
 # --- releases: the major/minor meaning of labels -------------------------------------------------
 
 
-def _config(version: Version) -> dict[str, Any]:
-    path = version.folder / "config.json"
+def _config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
     if not path.exists():
-        raise NimmerError(
-            f"{version.label}: no config.json in {version.folder}; the version folder is incomplete"
-        )
+        raise NimmerError(f"no config.json in {folder}; the model folder is incomplete")
     return {k: v for k, v in json.loads(path.read_text()).items() if k not in VOLATILE_CONFIG}
 
 
-def _tokenizer_hashes(version: Version) -> dict[str, str]:
-    files = version.row["blob_distribution"]["files"]
-    return {f["path"]: f["sha256"] for f in files if f["path"].startswith(("tokenizer", "special_tokens"))}
+def _tokenizer_hashes(folder: Path) -> dict[str, str]:
+    return {
+        p.name: sha256_file(p)
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name.startswith(("tokenizer", "special_tokens"))
+    }
 
 
-def architecture_change(previous: Version, new: Version) -> str | None:
-    """What makes ``new`` a major release after ``previous`` (architecture or tokenizer), or None."""
+def architecture_change(previous: Path, new: Path) -> str | None:
+    """What makes the model in folder ``new`` a major release after the one in ``previous``
+    (architecture or tokenizer), or None."""
     old, cur = _config(previous), _config(new)
     changed = sorted(k for k in old.keys() | cur.keys() if old.get(k) != cur.get(k))
     if changed:
@@ -134,7 +131,7 @@ def assign_releases(registry: Registry, target: Version, major: bool | None) -> 
         else:
             last = registry.release(previous)
             assert last is not None
-            change = architecture_change(previous, version)
+            change = architecture_change(previous.folder, version.folder)
             if forced is True or (forced is None and change):
                 release, why = (last[0] + 1, 0), change or "publish.rebase.major=true"
             else:
@@ -270,28 +267,6 @@ def judge(register: str, scores: Scores, settings: RebaseConfig) -> tuple[bool, 
 # --- retraining on the new weights ---------------------------------------------------------------
 
 
-def base_folder(target: Version, artifacts: Path) -> Path:
-    """A base folder (with an artifacts manifest, what training reads) holding ``target``'s
-    weights: the built base that has them, else a copy of the version's model files."""
-    weights = target.row["weights_sha256"]
-    for folder in sorted((artifacts / "base").glob("*")) if (artifacts / "base").is_dir() else []:
-        if intact_manifest(folder) and base_identity(folder)["weights_sha256"] == weights:
-            return folder
-    out = artifacts / "rebase" / target.label
-    if intact_manifest(out) and base_identity(out)["weights_sha256"] == weights:
-        return out
-    with atomic_dir(out) as staging:
-        for item in target.folder.iterdir():
-            if item.is_file() and item.name not in (MANIFEST, SIGNATURE, README):
-                shutil.copy2(item, staging / item.name)
-        if sha256_file(staging / WEIGHTS) != weights:
-            raise NimmerError(
-                f"{target.folder / WEIGHTS} is not the weights the registry recorded; re-pull the version"
-            )
-        write_manifest(staging, "base", target.row["content_fingerprint"], {"version": target.label})
-    return out
-
-
 def retrain(name: str, found: Recipe, base: Path, artifacts: Path, catalogue: RegistersConfig) -> Path:
     """The LoRA retrained on ``base`` from its recorded data and recipe (an intact one is reused)."""
     from nimmer_train.loras.train import adapter_fingerprint, publish_adapter, train_adapter, work_dir
@@ -328,94 +303,141 @@ def retrain(name: str, found: Recipe, base: Path, artifacts: Path, catalogue: Re
     return out
 
 
-# --- the stage -----------------------------------------------------------------------------------
+# --- carrying, decided before the new version is signed ----------------------------------------
 
 
-def previous_of(registry: Registry, target: Version) -> Version | None:
-    """The version published just before ``target``, or None."""
-    older = [v for v in registry.versions() if v.row["version_number"] < target.row["version_number"]]
-    return older[-1] if older else None
+@dataclass(frozen=True)
+class Carry:
+    """The decisions on the LoRAs of ``previous`` for a version not yet signed, made on its
+    weights: publish lists ``inherited`` and ``rebased`` as fitting it, signs ``manifest_entry``
+    and records the decisions in the registry, in the transaction that makes the version visible."""
+
+    previous: Version
+    bump: str  # major | minor
+    rule: dict[str, Any]
+    decisions: list[Decision]
+    inherited: list[Path]  # LoRA folders that passed the rule (inherited-evaluated)
+    rebased: list[Path]  # LoRAs retrained on the new weights
+
+    def manifest_entry(self) -> dict[str, Any]:
+        return {
+            "from": self.previous.label,
+            "bump": self.bump,
+            "rule": self.rule,
+            "decisions": [
+                {k: getattr(d, k) for k in ("lora_id", "register", "decision", "reason")}
+                for d in self.decisions
+            ],
+        }
+
+    def registry_rows(self, to_version_id: str, decided_at: str) -> list[dict[str, Any]]:
+        """The ``lora_rebases`` rows: each decision with its evidence, the bump and the rule."""
+        common = {"bump": self.bump, "from": self.previous.label, "settings": self.rule}
+        return [
+            {
+                **dataclasses.asdict(d),
+                "evidence": {**d.evidence, **common},
+                "decided_at": decided_at,
+                "from_version_id": self.previous.id,
+                "to_version_id": to_version_id,
+            }
+            for d in self.decisions
+        ]
 
 
-def rebase(
+def _candidate(folder: Path) -> dict[str, Any]:
+    """A LoRA folder outside the registry as a row like the registry's."""
+    manifest = intact_manifest(folder)
+    if manifest is None:
+        raise NimmerError(f"adapter {folder} is incomplete or changed (its manifest does not match)")
+    meta = read_metadata(folder)
+    return {
+        "lora_id": f"{meta['register']}-{manifest['fingerprint'][:12]}",
+        "register": meta["register"],
+        "path": str(folder.resolve()),
+        "trained_on_weights_sha256": meta["base"]["weights_sha256"],
+    }
+
+
+def carry(
     releases: Path,
     artifacts: Path,
-    target_name: str,
-    catalogue: RegistersConfig,
+    weights: Path,
+    own: list[Path],
     settings: RebaseConfig,
-    previous_name: str | None = None,
-) -> RebaseResult | None:
-    """Decide, record and (where retraining) do the carrying of ``previous``'s LoRAs to
-    ``target``; None when ``target`` has no previous version."""
-    registry = Registry.open(releases)
+    catalogue: RegistersConfig,
+    candidates: list[Path] = (),  # type: ignore[assignment]
+    merged_register: str | None = None,
+) -> Carry | None:
+    """Decide, for a version about to be published with the model in ``weights`` (an artifacts
+    folder) and the LoRAs ``own`` trained on it, what becomes of the LoRAs that fit the registry's
+    newest version (and of ``candidates``, LoRAs trained on other weights that the request brings):
+    inherit, retrain (into ``artifacts``) or refuse each. None when the registry has no version."""
+    registry = Registry.open(releases, create=True)
     try:
-        target = registry.find(target_name)
-        previous = registry.find(previous_name) if previous_name else previous_of(registry, target)
-        if previous is None:
+        versions = registry.versions()
+        if not versions:
             return None
-        if previous.row["version_number"] >= target.row["version_number"]:
-            raise NimmerError(f"rebase goes forward: {previous.label} is not older than {target.label}")
-        with registry.writing():
-            release = assign_releases(registry, target, settings.major)
-            prev_release = assign_releases(registry, previous, None)
-        bump = "major" if release[0] > prev_release[0] else "minor"
-        inherited = registry.loras_for(previous)
-        recorded = {r["lora_id"]: r for r in registry.rebases_into(target)}
-        rule = {k: getattr(settings, k) for k in ("min_gain", "min_margin", "retrain", "eval_max_examples")}
-        if inherited and all(
-            (r := recorded.get(lora["lora_id"])) and r["evidence"].get("settings") == rule
-            for lora in inherited
-        ):
-            kept = [_from_row(recorded[lora["lora_id"]]) for lora in inherited]
-            return RebaseResult(previous.label, target.label, release, bump, kept, reused=True)
-        decisions = _decide(target, inherited, bump, releases, artifacts, catalogue, settings)
-        now = datetime.now(UTC).isoformat(timespec="seconds")
-        with registry.writing():
-            for d in decisions:
-                evidence = {
-                    **d.evidence,
-                    "bump": bump,
-                    "from": previous.label,
-                    "to": target.label,
-                    "release": f"{release[0]}.{release[1]}",
-                    "settings": rule,
-                }
-                row = {**dataclasses.asdict(d), "evidence": evidence, "decided_at": now}
-                registry.record_rebase({**row, "from_version_id": previous.id, "to_version_id": target.id})
-        return RebaseResult(previous.label, target.label, release, bump, decisions)
+        previous = versions[-1]
+        rows = {r["lora_id"]: r for r in registry.loras_for(previous)}
     finally:
         registry.close()
-
-
-def _from_row(row: dict[str, Any]) -> Decision:
-    return Decision(
-        row["lora_id"],
-        row["register"],
-        row["decision"],
-        row["reason"],
-        row["evidence"],
-        row["rebased_adapter"],
+    for folder in candidates:
+        row = _candidate(folder)
+        rows.setdefault(row["lora_id"], row)
+    change = architecture_change(previous.folder, weights)
+    major = settings.major if settings.major is not None else change is not None
+    bump = "major" if major else "minor"
+    rule = {k: getattr(settings, k) for k in ("min_gain", "min_margin", "retrain", "eval_max_examples")}
+    own_registers = {read_metadata(f)["register"]: f for f in own}
+    decisions = _decide(
+        weights,
+        list(rows.values()),
+        bump,
+        own_registers,
+        merged_register,
+        releases,
+        artifacts,
+        catalogue,
+        settings,
+    )
+    return Carry(
+        previous,
+        bump,
+        rule,
+        decisions,
+        [_folder(releases, rows[d.lora_id]) for d in decisions if d.decision == "inherited-evaluated"],
+        [Path(d.rebased_adapter) for d in decisions if d.decision == "rebased" and d.rebased_adapter],
     )
 
 
+def _folder(releases: Path, row: dict[str, Any]) -> Path:
+    return releases / row["path"]  # an absolute path (a candidate) stays as it is
+
+
 def _decide(
-    target: Version,
+    weights: Path,
     inherited: list[dict[str, Any]],
     bump: str,
+    own: dict[str, Path],
+    merged: str | None,
     releases: Path,
     artifacts: Path,
     catalogue: RegistersConfig,
     settings: RebaseConfig,
 ) -> list[Decision]:
-    merged = (json.loads((target.folder / MANIFEST).read_text()).get("merged_adapter") or {}).get("register")
+    sha = base_identity(weights)["weights_sha256"]
     decided: dict[str, Decision] = {}
     recipes: dict[str, Recipe] = {}
     for lora in inherited:
         lid, name = lora["lora_id"], lora["register"]
-        if lora["trained_on_weights_sha256"] == target.row["weights_sha256"]:
-            decided[lid] = Decision(lid, name, "trained_on", f"trained on {target.label}'s very weights", {})
+        if lora["trained_on_weights_sha256"] == sha:
+            decided[lid] = Decision(lid, name, "trained_on", "trained on the new version's very weights", {})
         elif name == merged:
-            reason = f"its register's voice is merged into {target.label}'s weights; it would apply twice"
+            reason = "its register's voice is merged into the new weights; it would apply twice"
+            decided[lid] = Decision(lid, name, "refused", reason, {})
+        elif name in own:
+            reason = f"superseded by {own[name].name}, trained on the new weights"
             decided[lid] = Decision(lid, name, "refused", reason, {})
         else:
             found = recipe(lora, releases, artifacts, catalogue)
@@ -426,7 +448,7 @@ def _decide(
     verdicts: dict[str, tuple[bool, str, dict[str, Any]]] = {}
     if bump == "minor" and recipes:
         scores = inherited_matrix(
-            target.folder,
+            weights,
             {f.meta["register"]: f.folder for f in recipes.values()},
             {
                 f.meta["register"]: f.data.heldout["r1"][: settings.eval_max_examples]
@@ -445,7 +467,7 @@ def _decide(
         if fits:
             decided[lid] = Decision(lid, name, "inherited-evaluated", f"fits: {why}", evidence)
         elif settings.retrain:
-            out = retrain(name, found, base_folder(target, artifacts), artifacts, catalogue)
+            out = retrain(name, found, weights, artifacts, catalogue)
             what = (
                 "retrained on its recorded data and recipe" if bump == "major" else "does not fit, retrained"
             )
@@ -457,39 +479,65 @@ def _decide(
     return [decided[lora["lora_id"]] for lora in inherited]
 
 
-def rebase_stage(
-    cfg: Config, published: PublishResult | None = None, pipeline: str = "rebase"
-) -> RebaseResult | None:
-    """Carry the LoRAs of the version before the newest published one (run_all's, else the
-    registry's newest) to it, in one MLflow run; prints each decision."""
-    releases = Path(cfg.publish.releases_dir).resolve()
-    if published and published.versions:
-        target = published.versions[-1].label
-    else:
-        registry = Registry.open(releases)
-        try:
-            versions = registry.versions()
-        finally:
-            registry.close()
-        if not versions:
-            raise NimmerError(f"no version in {releases}: publish one first (`python -m pipelines.publish`)")
-        target = versions[-1].label
-    with tracking.stage_run(cfg, pipeline, "rebase") as run_id:
-        result = rebase(releases, cfg.paths.artifacts_dir(), target, cfg.registers, cfg.publish.rebase)
-        if result is None:
-            print(f"rebase: {target} is the first version; no LoRAs to carry")
-            return None
-        if run_id:
-            import mlflow
+# --- what was decided, from the registry ---------------------------------------------------------
 
-            mlflow.log_dict(
-                {"decisions": [dataclasses.asdict(d) for d in result.decisions]}, "rebase/decisions.json"
-            )
-            mlflow.log_metrics(
-                {f"rebase.{k}": sum(d.decision == k for d in result.decisions) for k in DECISIONS}
-            )
-            mlflow.set_tags(
-                {"rebase.from": result.previous, "rebase.to": result.target, "rebase.bump": result.bump}
-            )
+
+def rebase(releases: Path, target_name: str) -> RebaseResult | None:
+    """The decisions recorded when ``target`` was published (and its release, assigned by the
+    bump its signed manifest states when not yet recorded); None when it carried nothing (the
+    registry's first version, or published with publish.rebase.enabled=false)."""
+    registry = Registry.open(releases)
+    try:
+        target = registry.find(target_name)
+        entry = json.loads((target.folder / MANIFEST).read_text()).get("lora_carry")
+        if not entry:
+            return None
+        with registry.writing():
+            release = assign_releases(registry, target, entry["bump"] == "major")
+        rows = registry.rebases_into(target)
+        return RebaseResult(entry["from"], target.label, release, entry["bump"], [_from_row(r) for r in rows])
+    finally:
+        registry.close()
+
+
+def _from_row(row: dict[str, Any]) -> Decision:
+    return Decision(
+        row["lora_id"],
+        row["register"],
+        row["decision"],
+        row["reason"],
+        row["evidence"],
+        row["rebased_adapter"],
+    )
+
+
+def log_decisions(result: RebaseResult) -> None:
+    """The decisions into the active MLflow run: a JSON artifact, counts per decision, tags."""
+    import mlflow
+
+    mlflow.log_dict(
+        {"decisions": [dataclasses.asdict(d) for d in result.decisions]},
+        f"{result.target}/rebase_decisions.json",
+    )
+    mlflow.log_metrics({f"rebase.{k}": sum(d.decision == k for d in result.decisions) for k in DECISIONS})
+    mlflow.set_tags({"rebase.from": result.previous, "rebase.to": result.target, "rebase.bump": result.bump})
+
+
+def rebase_stage(cfg: Config, version: str | None = None) -> RebaseResult | None:
+    """Print the carrying decisions recorded for ``version`` (the registry's newest by default)."""
+    releases = Path(cfg.publish.releases_dir).resolve()
+    registry = Registry.open(releases)
+    try:
+        versions = registry.versions()
+    finally:
+        registry.close()
+    if not versions:
+        raise NimmerError(f"no version in {releases}: publish one first (`python -m pipelines.publish`)")
+    target = version or versions[-1].label
+    result = rebase(releases, target)
+    if result is None:
+        why = "the first version, or published with publish.rebase.enabled=false"
+        print(f"rebase: {target} carried no LoRAs ({why})")
+        return None
     print("\n".join(result.lines()))
     return result

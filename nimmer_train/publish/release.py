@@ -12,6 +12,7 @@ the rename (just before the commit), for tests that prove the above.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nimmer_train.artifacts import (
     MANIFEST,
@@ -32,6 +33,7 @@ from nimmer_train.artifacts import (
     intact_manifest,
     read_manifest,
     sha256_file,
+    write_manifest,
 )
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import WEIGHTS, base_identity, read_metadata
@@ -40,6 +42,9 @@ from nimmer_train.publish.listing import A1, A2, privacy_caveats
 from nimmer_train.publish.manifest import FORMAT, SIGNATURE, manifest_bytes, release_files
 from nimmer_train.publish.registry import REGISTRY_FILE, Registry, Version, label_of
 from nimmer_train.publish.signing import load_private, sign, signature_bytes
+
+if TYPE_CHECKING:
+    from nimmer_train.publish.rebase import Carry
 
 log = logging.getLogger(__name__)
 DRILL = "NIMMER_PUBLISH_DRILL"
@@ -59,6 +64,13 @@ class PublishRequest:
     blob_base_url: str | None = None  # where players download from; None: file:// of the releases
     evaluation: dict[str, Any] | None = None  # the register LoRAs' evaluation (loras/evaluation.py)
     voice: dict[str, Any] | None = None  # the voice report of this content (voice/quality.py)
+    merged_dir: Path | None = None  # the merge already staged (publish/stage.py): copied, not redone
+    carry: Carry | None = None  # the previous version's LoRAs, decided on these weights (rebase.py)
+
+    def adapters(self) -> list[Path]:
+        """Every register LoRA the version will list: its own, the retrained and the inherited."""
+        carried = [*self.carry.rebased, *self.carry.inherited] if self.carry else []
+        return [*self.loras, *carried]
 
 
 def _drill(point: str) -> None:
@@ -172,8 +184,8 @@ def _origin(base_manifest: dict[str, Any]) -> str:
 
 def _stage_model(req: PublishRequest, staging: Path) -> None:
     """Weights, config and tokenizer into ``staging``; the adapter merged in when asked."""
-    if req.merge_adapter is None:
-        for item in req.base_dir.iterdir():
+    if req.merge_adapter is None or req.merged_dir is not None:
+        for item in (req.merged_dir or req.base_dir).iterdir():
             if item.name not in NOT_COPIED and item.is_file():
                 shutil.copy2(item, staging / item.name)
         return
@@ -186,6 +198,24 @@ def _stage_model(req: PublishRequest, staging: Path) -> None:
     for item in req.base_dir.iterdir():  # tokenizer and templates, unchanged by the merge
         if item.is_file() and item.name not in NOT_COPIED and not (staging / item.name).exists():
             shutil.copy2(item, staging / item.name)
+
+
+def stage_merge(req: PublishRequest, artifacts: Path) -> Path:
+    """``req``'s base with its adapter merged in, as an artifacts folder that training and
+    evaluation can read (``artifacts/merged/<base>-<fp>``; an intact one is reused), so that the
+    carrying decisions and the version are made from the same weights."""
+    assert req.merge_adapter is not None
+    lineage = {
+        "base": read_manifest(req.base_dir)["fingerprint"],
+        "merge_adapter": read_manifest(req.merge_adapter)["fingerprint"],
+    }
+    fp = fingerprint(lineage)
+    out = artifacts / "merged" / f"{req.base_dir.name}-{fp[:12]}"
+    if intact_manifest(out) is None:
+        with atomic_dir(out) as staging:
+            _stage_model(dataclasses.replace(req, merged_dir=None), staging)
+            write_manifest(staging, "base", fp, lineage)
+    return out
 
 
 def _copy_lora(registry: Registry, adapter: Path) -> dict[str, Any]:
@@ -270,13 +300,13 @@ def _publish_locked(
     label = label_of(registry.next_number())
     released_at = _now()
     parent = registry.by_weights(base_weights) if req.merge_adapter else None
-    loras = [_copy_lora(registry, p) for p in req.loras]
+    loras = [_copy_lora(registry, p) for p in req.adapters()]
     final = registry.releases / label
     url = (req.blob_base_url or final.parent.resolve().as_uri()).rstrip("/")
     with atomic_dir(final) as staging:
         _stage_model(req, staging)
         weights = sha256_file(staging / WEIGHTS)
-        compat = _compatible_loras(req, label, loras, weights, base_weights, merged_meta)
+        compat = _compatible_loras(req, label, loras, weights, merged_meta)
         manifest = _version_manifest(
             req, label, fp, released_at, base_manifest, merged_meta, parent, compat, weights
         )
@@ -289,6 +319,7 @@ def _publish_locked(
         "parent": parent.id if parent else None,
         "loras": loras,
         "compat": compat,
+        "carry": req.carry.registry_rows(manifest["version_id"], released_at) if req.carry else [],
     }
     return label, rows
 
@@ -298,18 +329,26 @@ def _compatible_loras(
     label: str,
     loras: list[dict[str, Any]],
     weights: str,
-    base_weights: str,
     merged_meta: dict[str, Any] | None,
 ) -> list[dict[str, Any]]:
-    """The register LoRAs that fit the new weights, each with how it relates to them; one trained
-    on other weights is an error, the merged register's own LoRA is left out."""
+    """The register LoRAs that fit the new weights, each with how it relates to them: trained on
+    them, or inherited after passing the rebase rule on them (``req.carry``); any other is an
+    error, and so is the merged register's own LoRA."""
     compat = []
+    inherited = (
+        {d.lora_id for d in req.carry.decisions if d.decision == "inherited-evaluated"}
+        if req.carry
+        else set()
+    )
     for lora in loras:
         if merged_meta and lora["register"] == merged_meta["register"]:
-            continue  # its register's voice is in the weights now; this LoRA would apply twice
+            raise NimmerError(
+                f"LoRA {lora['lora_id']}: its register's voice is merged into {label}'s weights; "
+                "it would apply twice"
+            )
         if lora["trained_on_weights_sha256"] == weights:
             relation = "trained_on"
-        elif req.merge_adapter and lora["trained_on_weights_sha256"] == base_weights:
+        elif lora["lora_id"] in inherited:
             relation = "inherited"
         else:
             raise NimmerError(
@@ -376,6 +415,8 @@ def _version_manifest(
         "parent_version": parent.label if parent else None,
         "merged_adapter": _merged_adapter(req, merged_meta),
         "compatible_loras": compat,
+        # what became of the previous version's LoRAs, decided on these weights before signing
+        "lora_carry": req.carry.manifest_entry() if req.carry else None,
         "register_evaluation": req.evaluation,
         "voice_report": {**req.voice, "version": label} if req.voice else None,
         "content_fingerprint": fp,
@@ -489,6 +530,9 @@ def _insert(registry: Registry, label: str, rows: dict[str, Any]) -> None:
             "INSERT INTO lora_compat (lora_id, version_id, relation) VALUES (?, ?, ?)",
             (c["lora_id"], m["version_id"], c["relation"]),
         )
+    for decision in rows["carry"]:
+        if registry.lora(decision["lora_id"]) is not None:  # a refused LoRA never published has no row
+            registry.record_rebase(decision)
     # federated_gradient_uploads gets no rows from a federation: under SecAgg+ the server never
     # learns who contributed (issue 20), so it has no per-contributor row to write
     db.execute(

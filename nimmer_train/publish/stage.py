@@ -18,10 +18,11 @@ from nimmer_train import tracking
 from nimmer_train.artifacts import MANIFEST, README, git_commit, intact_manifest
 from nimmer_train.config import Config
 from nimmer_train.errors import NimmerError
-from nimmer_train.loras.adapters import METADATA
+from nimmer_train.loras.adapters import METADATA, read_metadata
 from nimmer_train.publish import mlflow_registry
+from nimmer_train.publish.rebase import carry, log_decisions, rebase
 from nimmer_train.publish.registry import Registry, Version
-from nimmer_train.publish.release import PublishRequest, already_published, publish_version
+from nimmer_train.publish.release import PublishRequest, already_published, publish_version, stage_merge
 from nimmer_train.publish.signing import generate_key
 
 if TYPE_CHECKING:
@@ -119,6 +120,23 @@ def _promote_first(releases: Path, first: Version) -> None:
     )
 
 
+def _carried(cfg: Config, releases: Path, req: PublishRequest, candidates: list[Path]) -> PublishRequest:
+    """``req`` with the newest version's LoRAs (and ``candidates``, LoRAs the request brings that
+    were trained on other weights) decided on its weights before it is signed (publish.rebase);
+    a merge is staged first, so the decisions and the version read the same weights."""
+    settings = cfg.publish.rebase
+    if not settings.enabled or already_published(releases, req):
+        return req
+    artifacts = cfg.paths.artifacts_dir()
+    weights, merged = req.base_dir, None
+    if req.merge_adapter is not None:
+        weights = stage_merge(req, artifacts)
+        req = dataclasses.replace(req, merged_dir=weights)
+        merged = read_metadata(req.merge_adapter)["register"]
+    found = carry(releases, artifacts, weights, req.loras, settings, cfg.registers, candidates, merged)
+    return req if found is None else dataclasses.replace(req, carry=found)
+
+
 VoiceMeasure = Callable[[Config, PublishRequest], "VoiceReport | None"]
 """Measures a publish request's voice report (``nimmer_train.runtime.voice_eval.candidate_report``:
 the runtime sits above publish, so the caller passes it in)."""
@@ -174,14 +192,15 @@ def publish_stage(
         kid = generate_key(key, Path(p.trusted_keys))
         print(f"publish: created signing key {kid} at {key} (trusted in {p.trusted_keys})")
     recipe = {"git_commit": git_commit(), "config": json.loads(json.dumps(dataclasses.asdict(cfg)))}
-    common = {"loras": adapters, "recipe": recipe, "license": p.license, "blob_base_url": p.blob_base_url}
+    common = {"recipe": recipe, "license": p.license, "blob_base_url": p.blob_base_url}
     common["evaluation"] = _evaluation(adapters, loras)
-    requests = [PublishRequest(base, **common)]
-    if merge is not None:
+    requests = [PublishRequest(base, adapters, **common)]
+    if merge is not None:  # its LoRAs were trained on the base: carried by the rebase rule, or not
         requests.append(PublishRequest(base, merge_adapter=merge, **common))
     published = []
     with tracking.stage_run(cfg, pipeline, "publish") as run_id:
         for req in requests:
+            req = _carried(cfg, releases, req, adapters if req.merge_adapter else [])
             report = _voice(cfg, releases, req, voice)
             if report is not None:
                 req = dataclasses.replace(req, voice=report.summary())
@@ -192,6 +211,11 @@ def publish_stage(
             )
             if report is not None:
                 _log_voice(dataclasses.replace(report, version=version.label), run_id)
+            carried = rebase(releases, version.label)  # the decisions it was signed with
+            if carried is not None:
+                print("\n".join(carried.lines()))
+                if run_id:
+                    log_decisions(carried)
         if p.promote_first:
             _promote_first(releases, published[0])
         if run_id:

@@ -229,8 +229,9 @@ def candidate_model(req: PublishRequest) -> Iterator[LocalModel]:
     temporary folder, when it asks for a merge) and its register LoRAs but the merged register's."""
     with tempfile.TemporaryDirectory(prefix="nimmer-candidate-") as tmp:
         merged = read_metadata(req.merge_adapter)["register"] if req.merge_adapter else None
-        if req.merge_adapter is None:
-            folder, rows = req.base_dir, read_manifest(req.base_dir)["files"]
+        if req.merge_adapter is None or req.merged_dir is not None:
+            folder = req.merged_dir or req.base_dir
+            rows = read_manifest(folder)["files"]
         else:
             folder = Path(tmp) / "model"
             folder.mkdir()
@@ -240,7 +241,7 @@ def candidate_model(req: PublishRequest) -> Iterator[LocalModel]:
         files = [f for f in files if f["path"] not in (MANIFEST, README)]  # as the version copies them
         loras: dict[str, Path] = {}
         lora_files: dict[str, list[dict[str, Any]]] = {}
-        for adapter in req.loras:
+        for adapter in req.adapters():
             register = read_metadata(adapter)["register"]
             manifest = intact_manifest(adapter)
             if manifest is None:
@@ -264,7 +265,7 @@ def candidate_report(cfg: Config, req: PublishRequest) -> VoiceReport:
     scenes held out of its adapters' training sets (the current config's when not found); the
     report's settings record them, so the speak stage measures on the same ones. What run_all and
     ``pipelines.publish`` give ``publish_stage`` as its ``voice``."""
-    adapters = [*req.loras, *([req.merge_adapter] if req.merge_adapter else [])]
+    adapters = [*req.adapters(), *([req.merge_adapter] if req.merge_adapter else [])]
     heldout = heldout_of_adapters(adapters, cfg.paths.artifacts_dir()) or heldout_of_config(
         cfg.composition, cfg.curation.validation_fraction
     )

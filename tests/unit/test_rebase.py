@@ -1,9 +1,10 @@
-"""LoRAs carried across versions (issue 25, item 2): after a second version, the rebase stage
-inherits, retrains or refuses each LoRA of the first by the rule on the register x adapter matrix
-(utterance tokens), and the registry records the decision with its evidence; a major release
-never inherits. Everything is built here in seconds: a tiny base from config, a tokenizer trained
-here, r1 and literary datasets written as the stages write them, two LoRAs with random weights
-whose metadata records that data and a recipe, and three signed versions."""
+"""LoRAs carried across versions (issue 25, item 2): before the next version is signed, each LoRA
+of the one before is inherited, retrained or refused by the rule on the register x adapter matrix
+(utterance tokens) on its weights; the signed manifest lists exactly the LoRAs that fit, and the
+registry records each decision with its evidence; a major release never inherits. Everything is
+built here in seconds: a tiny base from config, a tokenizer trained here, r1 and literary
+datasets written as the stages write them, two LoRAs with random weights whose metadata records
+that data and a recipe, and signed versions."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from datasets import Dataset, DatasetDict
 from nimmer_train.artifacts import write_json_atomic, write_manifest
 from nimmer_train.config import LoraConfig, ModelConfig
 from nimmer_train.config.schema import RebaseConfig
-from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import METADATA, base_identity, read_metadata
-from nimmer_train.publish.rebase import architecture_change, rebase
+from nimmer_train.publish.rebase import Carry, architecture_change, carry, rebase
 from nimmer_train.publish.registry import Registry, release_label
+from nimmer_train.publish.signing import Keyring
+from nimmer_train.publish.versions import CompatibilityError, VerifiedVersion, check_lora, open_version
 from nimmer_train.synth.synthesize import VALIDATION, VALIDATION_UNFILTERED
 from nimmer_train.voice.prompt_dsl import render_reply
 from tests.helpers.compose import config
@@ -107,9 +109,8 @@ def _loras(root: Path, base: Path, fps: dict[str, str]) -> list[Path]:
 
 
 @pytest.fixture
-def versions(tmp_path: Path) -> tuple[Path, Path]:
-    """(releases, artifacts) with v1 (base A + both LoRAs), v2 (base B: same architecture, other
-    weights, no LoRAs) and v3 (base C: one more layer)."""
+def published(tmp_path: Path) -> Published:
+    """v1 (base A with both LoRAs, signed and registered) and the means to publish the next."""
     from nimmer_train.base.tokenizer import train_bpe
     from nimmer_train.publish.release import PublishRequest, publish_version
     from nimmer_train.publish.signing import generate_key
@@ -123,9 +124,34 @@ def versions(tmp_path: Path) -> tuple[Path, Path]:
     generate_key(key, tmp_path / "keys" / "trusted")
     releases = tmp_path / "releases"
     publish_version(releases, key, PublishRequest(base_a, _loras(tmp_path, base_a, fps)))
-    publish_version(releases, key, PublishRequest(_base(tmp_path, "b", 2, 1, tokenizer)))
-    publish_version(releases, key, PublishRequest(_base(tmp_path, "c", 3, 2, tokenizer)))
-    return releases, artifacts
+    return Published(tmp_path, releases, artifacts, key, tokenizer)
+
+
+@dataclasses.dataclass
+class Published:
+    root: Path
+    releases: Path
+    artifacts: Path
+    key: Path
+    tokenizer: object
+
+    def base(self, name: str, layers: int = 2, seed: int = 1) -> Path:
+        return _base(self.root, name, layers, seed, self.tokenizer)
+
+    def carry(self, base: Path, settings: RebaseConfig) -> Carry:
+        found = carry(self.releases, self.artifacts, base, [], settings, config().registers)
+        assert found is not None
+        return found
+
+    def publish(self, base: Path, found: Carry) -> str:
+        from nimmer_train.publish.release import PublishRequest, publish_version
+
+        version, new = publish_version(self.releases, self.key, PublishRequest(base, carry=found))
+        assert new
+        return version.label
+
+    def open(self, name: str) -> VerifiedVersion:
+        return open_version(self.releases, name, Keyring.load(self.root / "keys" / "trusted"))
 
 
 def _recorded(releases: Path, target: str) -> dict[str, dict]:
@@ -136,83 +162,101 @@ def _recorded(releases: Path, target: str) -> dict[str, dict]:
         registry.close()
 
 
-def test_a_minor_release_inherits_or_retrains_each_lora_by_the_rule(versions: tuple[Path, Path]) -> None:
-    releases, artifacts = versions
-    catalogue = config().registers
-    lenient = RebaseConfig(min_gain=-1e9, min_margin=-1e9, retrain=False)
-    first = rebase(releases, artifacts, "v2", catalogue, lenient)
-    assert first is not None and (first.bump, first.release, first.previous) == (
-        "minor",
-        (1, 1),
-        "nimmerworld-base-v1",
-    )
-    assert {d.decision for d in first.decisions} == {"inherited-evaluated"}
-    rows = _recorded(releases, "v2")
+def test_a_minor_release_inherits_or_retrains_each_lora_by_the_rule_before_it_is_signed(
+    published: Published,
+) -> None:
+    base_b = published.base("b")
+    lenient = published.carry(base_b, RebaseConfig(min_gain=-1e9, min_margin=-1e9, retrain=False))
+    assert (lenient.bump, lenient.previous.label) == ("minor", "nimmerworld-base-v1")
+    assert {d.decision for d in lenient.decisions} == {"inherited-evaluated"}
     gains = {}
-    for register in REGISTERS:
-        evidence = rows[register]["evidence"]
-        cells = evidence["cells"]  # the matrix cells the rule used, each with its n and tokens
+    for d in lenient.decisions:
+        cells = d.evidence["cells"]  # the matrix cells the rule used, each with its n and tokens
         assert cells["own"]["n"] == 4 and cells["own"]["tokens"] > 0
-        assert evidence["gain"] == pytest.approx(cells["base"]["loss"] - cells["own"]["loss"])
+        assert d.evidence["gain"] == pytest.approx(cells["base"]["loss"] - cells["own"]["loss"])
         rival = cells["best_rival"]
-        assert rival["adapter"] == next(r for r in REGISTERS if r != register)
-        assert evidence["margin"] == pytest.approx(rival["loss"] - cells["own"]["loss"])
-        assert (evidence["bump"], evidence["from"], evidence["to"]) == (
-            "minor",
-            "nimmerworld-base-v1",
-            "nimmerworld-base-v2",
-        )
-        gains[register] = evidence["gain"]
-    assert rebase(releases, artifacts, "v2", catalogue, lenient).reused  # same rule: nothing recomputed
+        assert rival["adapter"] == next(r for r in REGISTERS if r != d.register)
+        assert d.evidence["margin"] == pytest.approx(rival["loss"] - cells["own"]["loss"])
+        gains[d.register] = d.evidence["gain"]
 
-    # a threshold between the two gains: the better LoRA stays, the other is retrained on v2's weights
+    # a threshold between the two gains: the better LoRA is inherited, the other retrained on
+    # base B's weights; the version is signed with exactly those two
     low, high = sorted(gains, key=gains.get)
     assert gains[low] < gains[high]
     split = RebaseConfig(min_gain=(gains[low] + gains[high]) / 2, min_margin=-1e9, retrain=True)
-    second = rebase(releases, artifacts, "v2", catalogue, split)
-    assert second is not None and not second.reused
-    decided = {d.register: d for d in second.decisions}
+    found = published.carry(base_b, split)
+    decided = {d.register: d for d in found.decisions}
     assert decided[high].decision == "inherited-evaluated"
     assert decided[low].decision == "rebased" and "does not fit" in decided[low].reason
     assert f"gain {gains[low]:+.3f}" in decided[low].reason
     retrained = Path(decided[low].rebased_adapter)
-    registry = Registry.open(releases)
-    try:
-        v2 = registry.find("v2")
-        assert read_metadata(retrained)["base"]["weights_sha256"] == v2.row["weights_sha256"]
-        assert read_metadata(retrained)["lora"]["max_steps"] == RECIPE.max_steps  # its recorded recipe
-    finally:
-        registry.close()
-    rows = _recorded(releases, "v2")
+    weights_b = base_identity(base_b)["weights_sha256"]
+    assert read_metadata(retrained)["base"]["weights_sha256"] == weights_b
+    assert read_metadata(retrained)["lora"]["max_steps"] == RECIPE.max_steps  # its recorded recipe
+
+    label = published.publish(base_b, found)
+    v2 = published.open(label)
+    signed = {c["register"]: c for c in v2.manifest["compatible_loras"]}
+    assert (signed[high]["relation"], signed[high]["lora_id"]) == ("inherited", decided[high].lora_id)
+    assert signed[low]["relation"] == "trained_on" and signed[low]["lora_id"] != decided[low].lora_id
+    assert set(v2.loras) == set(REGISTERS) and v2.loras[low].name == signed[low]["lora_id"]
+    carried = v2.manifest["lora_carry"]  # the decisions are signed with the version
+    assert (carried["from"], carried["bump"]) == ("nimmerworld-base-v1", "minor")
+    assert {d["register"]: d["decision"] for d in carried["decisions"]} == {
+        high: "inherited-evaluated",
+        low: "rebased",
+    }
+    rows = _recorded(published.releases, label)
     assert {r: rows[r]["decision"] for r in REGISTERS} == {high: "inherited-evaluated", low: "rebased"}
     assert rows[low]["rebased_adapter"] == str(retrained)
+    assert rows[high]["evidence"]["gain"] == pytest.approx(gains[high])
+    assert (rows[high]["evidence"]["bump"], rows[high]["evidence"]["from"]) == (
+        "minor",
+        "nimmerworld-base-v1",
+    )
+    reported = rebase(published.releases, label)
+    assert reported is not None and reported.release == (1, 1)
+    assert release_label(reported.target, reported.release) == "nimmerworld-base-v2 (1.1)"
 
-    # without retraining, a LoRA that fails the rule is refused, and the registry says why
-    refuse = RebaseConfig(min_gain=1e9, min_margin=-1e9, retrain=False)
-    third = rebase(releases, artifacts, "v2", catalogue, refuse)
-    assert third is not None and {d.decision for d in third.decisions} == {"refused"}
-    assert all("retrain is false" in r["reason"] for r in _recorded(releases, "v2").values())
+    # without retraining, a LoRA that fails the rule is refused: the next version is signed without
+    # it, loading it onto that version is refused, and the registry says why
+    base_c = published.base("c", seed=2)
+    refuse = published.carry(base_c, RebaseConfig(min_gain=1e9, min_margin=-1e9, retrain=False))
+    assert {d.decision for d in refuse.decisions} == {"refused"}
+    v3 = published.open(published.publish(base_c, refuse))
+    assert v3.manifest["compatible_loras"] == [] and v3.loras == {}
+    assert all("retrain is false" in r["reason"] for r in _recorded(published.releases, v3.label).values())
+    with pytest.raises(CompatibilityError, match="not nimmerworld-base-v3"):
+        check_lora(published.releases, "v3", v2.loras[high])
 
 
-def test_a_major_release_never_inherits(versions: tuple[Path, Path]) -> None:
-    releases, artifacts = versions
-    catalogue = config().registers
-    registry = Registry.open(releases)
-    try:
-        v1, v2, v3 = registry.versions()
-        assert architecture_change(v1, v2) is None
-        assert "num_hidden_layers" in (architecture_change(v2, v3) or "")
-    finally:
-        registry.close()
+def test_a_major_release_never_inherits(published: Published) -> None:
+    base_c = published.base("c", layers=3, seed=2)
+    v1 = published.open("v1")
+    assert architecture_change(v1.folder, published.base("b")) is None
+    assert "num_hidden_layers" in (architecture_change(v1.folder, base_c) or "")
     lenient = RebaseConfig(min_gain=-1e9, min_margin=-1e9, retrain=False)  # would inherit anything
-    result = rebase(releases, artifacts, "v3", catalogue, lenient, previous_name="v1")
+    found = published.carry(base_c, lenient)
+    assert found.bump == "major" and {d.decision for d in found.decisions} == {"refused"}
+    assert all("major release invalidates inherited LoRAs" in d.reason for d in found.decisions)
+    assert all("cells" not in d.evidence for d in found.decisions)  # nothing evaluated
+    # publish.rebase.major=true makes a same-architecture version a major release too
+    forced = published.carry(published.base("d", seed=3), dataclasses.replace(lenient, major=True))
+    assert forced.bump == "major" and {d.decision for d in forced.decisions} == {"refused"}
+    label = published.publish(base_c, found)
+    result = rebase(published.releases, label)
     assert result is not None and (result.bump, result.release) == ("major", (2, 0))
-    assert release_label(result.target, result.release) == "nimmerworld-base-v3 (2.0)"
-    rows = _recorded(releases, "v3")
-    assert {r["decision"] for r in rows.values()} == {"refused"}
-    assert all("major release invalidates inherited LoRAs" in r["reason"] for r in rows.values())
-    assert all(r["evidence"]["bump"] == "major" and "cells" not in r["evidence"] for r in rows.values())
-    # a forced major on a minor release: v2 was already recorded 1.1, so forcing it is refused
-    with pytest.raises(NimmerError, match="already release 1.1"):
-        rebase(releases, artifacts, "v2", catalogue, dataclasses.replace(lenient, major=True))
-    assert json.loads(json.dumps(rows["hivemind-broadcast"]["evidence"]))["release"] == "2.0"
+    assert release_label(result.target, result.release) == "nimmerworld-base-v2 (2.0)"
+    rows = _recorded(published.releases, label)
+    assert json.loads(json.dumps(rows["hivemind-broadcast"]["evidence"]))["bump"] == "major"
+
+
+def test_a_lora_trained_on_the_new_weights_supersedes_the_inherited_one(published: Published) -> None:
+    base_b = published.base("b")
+    own = _loras(published.root / "own", base_b, {"synth": "a" * 64, "corpus": "b" * 64})[:1]
+    lenient = RebaseConfig(min_gain=-1e9, min_margin=-1e9, retrain=False)
+    found = carry(published.releases, published.artifacts, base_b, own, lenient, config().registers)
+    assert found is not None
+    decided = {d.register: d for d in found.decisions}
+    assert decided[REGISTERS[0]].decision == "refused" and "superseded" in decided[REGISTERS[0]].reason
+    assert decided[REGISTERS[1]].decision == "inherited-evaluated"

@@ -95,7 +95,19 @@ def test_run_all_publishes_v1_and_the_federated_v2(tiny_run: Path) -> None:
     assert tiers["A1_federated"]["epsilon"] == pytest.approx(fed["epsilon_a1_user_level"])
     assert m2["privacy"]["mechanisms"] == fed["mechanisms"]
     assert m2["weights_sha256"] != v1.manifest["weights_sha256"]
-    assert set(v2.loras) == {"drunk-scavenger"}  # hivemind-broadcast's voice is merged into v2's weights
+    # v1's LoRAs were decided on v2's weights before v2 was signed: hivemind-broadcast's voice is
+    # merged into them; drunk-scavenger's LoRA is inherited if it passes the rule there, else retrained
+    carried = {d["register"]: d for d in m2["lora_carry"]["decisions"]}
+    assert (
+        carried["hivemind-broadcast"]["decision"] == "refused"
+        and "merged" in carried["hivemind-broadcast"]["reason"]
+    )
+    scavenger = carried["drunk-scavenger"]
+    assert scavenger["decision"] in ("inherited-evaluated", "rebased") and "gain" in scavenger["reason"]
+    assert set(v2.loras) == {"drunk-scavenger"}
+    trained_on = json.loads((v2.loras["drunk-scavenger"] / METADATA).read_text())["base"]["weights_sha256"]
+    fits_v2 = {"inherited-evaluated": v1.manifest["weights_sha256"], "rebased": m2["weights_sha256"]}
+    assert trained_on == fits_v2[scavenger["decision"]]
     # the model card: Hugging Face front matter and a privacy section with aggregates only
     card = (v2.folder / "README.md").read_text()
     front = yaml.safe_load(card.split("---")[1])
@@ -139,7 +151,7 @@ def test_run_all_publishes_v1_and_the_federated_v2(tiny_run: Path) -> None:
             bare2 = model2(input_ids=ids).logits
     assert not torch.allclose(bare1, bare2)
     # publishing the same inputs again is a no-op
-    loras = sorted((releases / "loras").iterdir())
+    loras = [releases / c["path"] for c in v1.manifest["compatible_loras"]]
     again, new = publish_version(
         releases, tiny_run / "keys" / "publisher.key", PublishRequest(_base(tiny_run), loras)
     )
@@ -163,8 +175,12 @@ def test_mlflow_model_registry_and_promote(tiny_run: Path, capsys: pytest.Captur
     first = client.get_model_version_by_alias("nimmerworld-base", "production")  # publish.promote_first
     assert first.tags["version_label"] == "nimmerworld-base-v1"
     lora = client.get_registered_model("nimmerworld-lora-drunk-scavenger")
-    (mv,) = client.search_model_versions(f"name='{lora.name}'")
-    assert mv.tags["fits"] == "nimmerworld-base-v1,nimmerworld-base-v2"
+    fits = sorted(mv.tags["fits"] for mv in client.search_model_versions(f"name='{lora.name}'"))
+    carried = {d["register"]: d["decision"] for d in manifest["lora_carry"]["decisions"]}
+    both = "nimmerworld-base-v1,nimmerworld-base-v2"  # inherited: one LoRA fits both; else one each
+    assert fits == (
+        [both] if carried["drunk-scavenger"] == "inherited-evaluated" else sorted(both.split(","))
+    )
     releases = str(tiny_run / "releases")
     assert cli.main(["versions", "--releases", releases, "promote", "v1"]) == 0
     assert (
@@ -238,8 +254,9 @@ def test_tampering_and_foreign_keys_fail_naming_the_file_or_key(tiny_run: Path, 
     (folder / SIGNATURE).write_bytes(signature_bytes(sign(raw, load_private(stranger))))
     fails(SignatureError, stranger_id, "not a trusted publisher key")
     # a flipped byte in a LoRA that fits v1
-    (lora,) = (releases / "loras").glob("drunk-scavenger-*")
-    _flip(lora / "adapter_model.safetensors")
+    manifest = json.loads((releases / "nimmerworld-base-v1" / "manifest.json").read_text())
+    (path,) = [c["path"] for c in manifest["compatible_loras"] if c["register"] == "drunk-scavenger"]
+    _flip(releases / path / "adapter_model.safetensors")
     with pytest.raises(IntegrityError, match="adapter_model.safetensors"):
         open_version(releases, "v1", keyring)
 

@@ -34,9 +34,11 @@ def _db(releases: Path) -> sqlite3.Connection:
     return sqlite3.connect(releases / "registry.sqlite", isolation_level=None)
 
 
-def _lora(releases: Path, register: str) -> Path:
-    (folder,) = (releases / "loras").glob(f"{register}-*")
-    return folder
+def _lora(releases: Path, register: str, version: int) -> Path:
+    """The folder of ``register``'s LoRA that version ``version``'s signed manifest lists."""
+    manifest = json.loads((releases / f"nimmerworld-base-v{version}" / "manifest.json").read_text())
+    (path,) = [c["path"] for c in manifest["compatible_loras"] if c["register"] == register]
+    return releases / path
 
 
 def _flip(path: Path) -> None:
@@ -71,14 +73,14 @@ def test_registry_edits_cannot_add_move_or_relabel(releases: Path, tmp_path: Pat
     refused(hivemind, "signed manifest does not")
     db.execute("DELETE FROM lora_compat WHERE lora_id = ? AND version_id = ?", (hivemind, v2_id))
     # the fitting LoRA's path pointed outside releases/ at a copy with matching hashes
-    drunk = _lora(releases, "drunk-scavenger")
+    drunk = _lora(releases, "drunk-scavenger", 2)
     outside = tmp_path / "elsewhere" / drunk.name
     shutil.copytree(drunk, outside)
-    (row_path,) = db.execute("SELECT path FROM register_loras WHERE register = 'drunk-scavenger'").fetchone()
+    (row_path,) = db.execute("SELECT path FROM register_loras WHERE lora_id = ?", (drunk.name,)).fetchone()
     for bad in (str(outside), f"../elsewhere/{drunk.name}", f"loras/../../elsewhere/{drunk.name}"):
-        db.execute("UPDATE register_loras SET path = ? WHERE register = 'drunk-scavenger'", (bad,))
+        db.execute("UPDATE register_loras SET path = ? WHERE lora_id = ?", (bad, drunk.name))
         refused("drunk-scavenger")
-    db.execute("UPDATE register_loras SET path = ? WHERE register = 'drunk-scavenger'", (row_path,))
+    db.execute("UPDATE register_loras SET path = ? WHERE lora_id = ?", (row_path, drunk.name))
     # the registry's file hashes edited to match a changed adapter: the manifest's hashes rule
     _flip(drunk / "adapter_model.safetensors")
     refused("adapter_model.safetensors", "sha256")
@@ -151,7 +153,7 @@ def test_symlinks_are_refused(releases: Path, tmp_path: Path) -> None:
     (folder / "config.json").unlink()
     shutil.copy(outside, folder / "config.json")
     # a symlinked folder inside a LoRA (its files escaped the extra-files check)
-    drunk = _lora(releases, "drunk-scavenger")
+    drunk = _lora(releases, "drunk-scavenger", 1)
     (tmp_path / "payload").mkdir()
     (tmp_path / "payload" / "evil.py").write_text("print('pwned')")
     (drunk / "extras").symlink_to(tmp_path / "payload", target_is_directory=True)
