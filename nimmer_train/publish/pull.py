@@ -610,6 +610,7 @@ def _commit(
                             "parent": known.get(parent) if parent else None,  # None: not pulled here
                             "loras": rows,
                             "compat": loras,
+                            "carry": [],  # the decisions stay in the signed manifest (lora_carry)
                         },
                     )
                 except sqlite3.IntegrityError as exc:

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from nimmer_train.config import Config
     from nimmer_train.loras.evaluation import Scores
     from nimmer_train.loras.train import RegisterData
+    from nimmer_train.publish.signing import Keyring
 
 log = logging.getLogger(__name__)
 DECISIONS = ("trained_on", "rebased", "inherited-evaluated", "refused")
@@ -316,7 +317,7 @@ class Carry:
     bump: str  # major | minor
     rule: dict[str, Any]
     decisions: list[Decision]
-    inherited: list[Path]  # LoRA folders that passed the rule (inherited-evaluated)
+    kept: list[Path]  # previous LoRAs listed as they are: inherited-evaluated, or trained on these weights
     rebased: list[Path]  # LoRAs retrained on the new weights
 
     def manifest_entry(self) -> dict[str, Any]:
@@ -366,26 +367,40 @@ def carry(
     own: list[Path],
     settings: RebaseConfig,
     catalogue: RegistersConfig,
+    keyring: Keyring,
     candidates: list[Path] = (),  # type: ignore[assignment]
     merged_register: str | None = None,
 ) -> Carry | None:
     """Decide, for a version about to be published with the model in ``weights`` (an artifacts
-    folder) and the LoRAs ``own`` trained on it, what becomes of the LoRAs that fit the registry's
-    newest version (and of ``candidates``, LoRAs trained on other weights that the request brings):
-    inherit, retrain (into ``artifacts``) or refuse each. None when the registry has no version."""
+    folder) and the LoRAs ``own`` trained on it, what becomes of the LoRAs that the registry's
+    newest version lists in its verified signed manifest (and of ``candidates``, LoRAs trained on
+    other weights that the request brings): keep, retrain (into ``artifacts``) or refuse each,
+    one LoRA per register. None when the registry has no version."""
+    from nimmer_train.publish.versions import verify_version
+
     registry = Registry.open(releases, create=True)
     try:
         versions = registry.versions()
         if not versions:
             return None
         previous = versions[-1]
-        rows = {r["lora_id"]: r for r in registry.loras_for(previous)}
+        verified = verify_version(registry, previous, keyring)  # the signed LoRAs, not the registry's rows
     finally:
         registry.close()
+    rows = {(row := _candidate(folder))["lora_id"]: row for folder in verified.loras.values()}
+    holder = {row["register"]: lid for lid, row in rows.items()}
+    extra = []
     for folder in candidates:
         row = _candidate(folder)
-        rows.setdefault(row["lora_id"], row)
-    change = architecture_change(previous.folder, weights)
+        lid, name = row["lora_id"], row["register"]
+        if lid in rows:
+            continue
+        if name in holder:
+            reason = f"{holder[name]} carries its register from {previous.label} (one LoRA per register)"
+            extra.append(Decision(lid, name, "refused", reason, {}))
+            continue
+        rows[lid], holder[name] = row, lid
+    change = architecture_change(previous.folder, weights)  # previous.folder: verified above
     major = settings.major if settings.major is not None else change is not None
     bump = "major" if major else "minor"
     rule = {k: getattr(settings, k) for k in ("min_gain", "min_margin", "retrain", "eval_max_examples")}
@@ -401,12 +416,13 @@ def carry(
         catalogue,
         settings,
     )
+    kept = ("inherited-evaluated", "trained_on")
     return Carry(
         previous,
         bump,
         rule,
-        decisions,
-        [_folder(releases, rows[d.lora_id]) for d in decisions if d.decision == "inherited-evaluated"],
+        decisions + extra,
+        [_folder(releases, rows[d.lora_id]) for d in decisions if d.decision in kept],
         [Path(d.rebased_adapter) for d in decisions if d.decision == "rebased" and d.rebased_adapter],
     )
 
@@ -431,14 +447,14 @@ def _decide(
     recipes: dict[str, Recipe] = {}
     for lora in inherited:
         lid, name = lora["lora_id"], lora["register"]
-        if lora["trained_on_weights_sha256"] == sha:
-            decided[lid] = Decision(lid, name, "trained_on", "trained on the new version's very weights", {})
-        elif name == merged:
+        if name == merged:
             reason = "its register's voice is merged into the new weights; it would apply twice"
             decided[lid] = Decision(lid, name, "refused", reason, {})
         elif name in own:
             reason = f"superseded by {own[name].name}, trained on the new weights"
             decided[lid] = Decision(lid, name, "refused", reason, {})
+        elif lora["trained_on_weights_sha256"] == sha:
+            decided[lid] = Decision(lid, name, "trained_on", "trained on the new version's very weights", {})
         else:
             found = recipe(lora, releases, artifacts, catalogue)
             if isinstance(found, str):
@@ -495,7 +511,10 @@ def rebase(releases: Path, target_name: str) -> RebaseResult | None:
         with registry.writing():
             release = assign_releases(registry, target, entry["bump"] == "major")
         rows = registry.rebases_into(target)
-        return RebaseResult(entry["from"], target.label, release, entry["bump"], [_from_row(r) for r in rows])
+        decisions = [_from_row(r) for r in rows] or [  # a pulled version: its signed decisions
+            Decision(d["lora_id"], d["register"], d["decision"], d["reason"], {}) for d in entry["decisions"]
+        ]
+        return RebaseResult(entry["from"], target.label, release, entry["bump"], decisions)
     finally:
         registry.close()
 

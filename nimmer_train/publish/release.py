@@ -69,7 +69,7 @@ class PublishRequest:
 
     def adapters(self) -> list[Path]:
         """Every register LoRA the version will list: its own, the retrained and the inherited."""
-        carried = [*self.carry.rebased, *self.carry.inherited] if self.carry else []
+        carried = [*self.carry.rebased, *self.carry.kept] if self.carry else []
         return [*self.loras, *carried]
 
 
@@ -297,6 +297,14 @@ def _publish_locked(
 ) -> tuple[str, dict[str, Any]]:
     """Stage the next version's folder (model, card, signed manifest) and return its label and
     the registry rows that will make it visible."""
+    versions = registry.versions()
+    newest = versions[-1] if versions else None
+    if req.carry is not None and (newest is None or newest.id != req.carry.previous.id):
+        raise NimmerError(
+            f"the LoRAs to carry were decided against {req.carry.previous.label}, but the registry's "
+            f"newest version is now {newest.label if newest else 'none'} (another publish came "
+            "first); publish again to decide against the newest"
+        )
     label = label_of(registry.next_number())
     released_at = _now()
     parent = registry.by_weights(base_weights) if req.merge_adapter else None

@@ -23,7 +23,7 @@ from nimmer_train.publish import mlflow_registry
 from nimmer_train.publish.rebase import carry, log_decisions, rebase
 from nimmer_train.publish.registry import Registry, Version
 from nimmer_train.publish.release import PublishRequest, already_published, publish_version, stage_merge
-from nimmer_train.publish.signing import generate_key
+from nimmer_train.publish.signing import Keyring, generate_key
 
 if TYPE_CHECKING:
     from nimmer_train.federation.stage import FederationResult
@@ -133,7 +133,10 @@ def _carried(cfg: Config, releases: Path, req: PublishRequest, candidates: list[
         weights = stage_merge(req, artifacts)
         req = dataclasses.replace(req, merged_dir=weights)
         merged = read_metadata(req.merge_adapter)["register"]
-    found = carry(releases, artifacts, weights, req.loras, settings, cfg.registers, candidates, merged)
+    keyring = Keyring.load(Path(cfg.publish.trusted_keys))
+    found = carry(
+        releases, artifacts, weights, req.loras, settings, cfg.registers, keyring, candidates, merged
+    )
     return req if found is None else dataclasses.replace(req, carry=found)
 
 

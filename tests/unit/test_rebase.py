@@ -138,8 +138,13 @@ class Published:
     def base(self, name: str, layers: int = 2, seed: int = 1) -> Path:
         return _base(self.root, name, layers, seed, self.tokenizer)
 
-    def carry(self, base: Path, settings: RebaseConfig) -> Carry:
-        found = carry(self.releases, self.artifacts, base, [], settings, config().registers)
+    def carry(
+        self, base: Path, settings: RebaseConfig, own: list[Path] = (), candidates: list[Path] = ()
+    ) -> Carry:
+        registers = config().registers
+        found = carry(
+            self.releases, self.artifacts, base, list(own), settings, registers, self.keys(), candidates
+        )
         assert found is not None
         return found
 
@@ -150,8 +155,11 @@ class Published:
         assert new
         return version.label
 
+    def keys(self) -> Keyring:
+        return Keyring.load(self.root / "keys" / "trusted")
+
     def open(self, name: str) -> VerifiedVersion:
-        return open_version(self.releases, name, Keyring.load(self.root / "keys" / "trusted"))
+        return open_version(self.releases, name, self.keys())
 
 
 def _recorded(releases: Path, target: str) -> dict[str, dict]:
@@ -255,7 +263,9 @@ def test_a_lora_trained_on_the_new_weights_supersedes_the_inherited_one(publishe
     base_b = published.base("b")
     own = _loras(published.root / "own", base_b, {"synth": "a" * 64, "corpus": "b" * 64})[:1]
     lenient = RebaseConfig(min_gain=-1e9, min_margin=-1e9, retrain=False)
-    found = carry(published.releases, published.artifacts, base_b, own, lenient, config().registers)
+    found = carry(
+        published.releases, published.artifacts, base_b, own, lenient, config().registers, published.keys()
+    )
     assert found is not None
     decided = {d.register: d for d in found.decisions}
     assert decided[REGISTERS[0]].decision == "refused" and "superseded" in decided[REGISTERS[0]].reason
