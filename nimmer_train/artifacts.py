@@ -59,17 +59,21 @@ def git_commit(cwd: Path | None = REPO_ROOT) -> str:
         return "unknown"
 
 
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(root: Path) -> None:
     for path in sorted(root.rglob("*")):
         if path.is_file():
             with open(path, "rb") as fh:
                 os.fsync(fh.fileno())
     for path in [root, *(p for p in root.rglob("*") if p.is_dir())]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(path)
 
 
 @contextlib.contextmanager
@@ -88,32 +92,35 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
-        fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(final.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def write_json_atomic(path: Path, obj: Any, private: bool = False) -> None:
-    """Write JSON to ``path`` through a temp file, fsync and rename; ``private``: readable by the
-    owner only (0600 from the first byte). A failed write leaves no temp file behind."""
+def write_bytes_atomic(path: Path, data: bytes, private: bool = False) -> None:
+    """Write ``data`` to ``path`` through a temp file, fsync, rename and fsync the folder;
+    ``private``: readable by the owner only (0600 from the first byte). A failed write leaves
+    ``path`` as it was and no temp file behind (a killed one leaves ``.NAME.tmp-PID``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
     try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=2, sort_keys=True, default=str)
-            fh.write("\n")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj: Any, private: bool = False) -> None:
+    """Write JSON to ``path`` atomically (:func:`write_bytes_atomic`)."""
+    text = json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+    write_bytes_atomic(path, text.encode(), private)
 
 
 def file_table(folder: Path) -> list[dict[str, Any]]:

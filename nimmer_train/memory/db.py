@@ -18,10 +18,11 @@ except ImportError as exc:  # said clearly at start-up, not at the first query
     ) from exc
 
 
-def connect(path: Path) -> apsw.Connection:
-    """Open (or create) a store: sqlite-vec loaded, WAL, synchronous=FULL, foreign keys on."""
+def connect(path: Path, factory: type[apsw.Connection] = apsw.Connection) -> apsw.Connection:
+    """Open (or create) a store: sqlite-vec loaded, WAL, synchronous=FULL, foreign keys on.
+    ``factory`` makes the connection (a subclass, e.g. the clasp's in-memory store at ":memory:")."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    db = apsw.Connection(str(path))
+    db = factory(str(path))
     try:
         db.enable_load_extension(True)
         db.load_extension(sqlite_vec.loadable_path())

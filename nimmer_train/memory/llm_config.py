@@ -70,7 +70,7 @@ def _open(folder: Path) -> Any:
     return db
 
 
-def _device_secret(folder: Path) -> str:
+def device_secret(folder: Path) -> str:
     """The runtime's sealing secret for this device (made once, mode 0600)."""
     path = folder / KEY_FILE
     if not path.exists():
@@ -157,7 +157,7 @@ def set_config(
             raise ConfigError(f"{tier} key", "empty")
         blob, _ = seal(
             key.encode(),
-            _device_secret(folder),
+            device_secret(folder),
             {"lora_name": f"byok:{tier}", "lora_version": 0},
             account="device",
             recovery_codes=0,
@@ -209,7 +209,7 @@ def read_key(folder: Path, ref: str) -> str:
         raise NimmerError(
             f"no sealed key {ref!r} in {folder / CONFIG_FILE}; set it with nimmer llm-config set"
         )
-    return unseal(Sealed.from_bytes(bytes(row[0])), passphrase=_device_secret(folder)).decode()
+    return unseal(Sealed.from_bytes(bytes(row[0])), passphrase=device_secret(folder)).decode()
 
 
 def runtime_row(folder: Path) -> tuple[dict[str, Any], dict[str, str]]:

@@ -1,9 +1,9 @@
 """One player's memory on the device: writes embedded at write time, mode-aware retrieval.
 
 A player folder holds primary.sqlite (working memory, vector-indexed with sqlite-vec) and, for
-the in-between mode only, clasp.sqlite (through :mod:`nimmer_train.memory.clasp`). In REALWORLD
-mode retrieval reads primary only and writes go to primary; in IN_BETWEEN mode retrieval reads
-primary and clasp, and new writes go to clasp.
+the in-between mode only, the sealed clasp store (through :mod:`nimmer_train.memory.clasp`). In
+REALWORLD mode retrieval reads primary only and writes go to primary; in IN_BETWEEN mode
+retrieval reads primary and clasp, and new writes go to clasp.
 
 Retrieval score (Park et al. 2023, "Generative Agents", section 4.1: recency, importance and
 relevance, equally weighted by default)::
@@ -32,7 +32,7 @@ import apsw
 import numpy as np
 
 from nimmer_train.errors import NimmerError
-from nimmer_train.memory.clasp import CLASP_FILE, open_clasp
+from nimmer_train.memory.clasp import clasp_exists, open_clasp
 from nimmer_train.memory.db import connect, migrate
 from nimmer_train.memory.embedding import Embedder
 from nimmer_train.memory.entries import (
@@ -116,7 +116,7 @@ class PlayerMemory:
 
     def has_clasp(self) -> bool:
         """Whether this player has a clasp store yet (without creating one)."""
-        return self._clasp is not None or (self.folder / CLASP_FILE).exists()
+        return self._clasp is not None or clasp_exists(self.folder)
 
     def _index(self, name: str) -> VectorIndex:
         if name not in self._indexes:
@@ -277,7 +277,7 @@ class PlayerMemory:
         return out
 
     def entries(self, categories: Iterable[str] | None = None) -> list[MemoryEntry]:
-        """Every primary entry (optionally of some categories). Never reads clasp.sqlite."""
+        """Every primary entry (optionally of some categories). Never reads the clasp store."""
         sql, params = f"SELECT {', '.join(COLUMNS)} FROM entries", []
         if categories is not None:
             values = list(categories)
@@ -303,28 +303,47 @@ class PlayerMemory:
     def character_death(self, working: str = "blur") -> dict[str, list[str]]:
         """The design's death rules ("Memory classes and pruning", "The clasp store"): cornerstone
         and birthright stay; volatile memories are lost; the clasp store is cleared; working
-        memories are lost (``working="lose"``) or blurred (``"blur"``: the later half of the words
-        gives way to an ellipsis, importance and valence halve, same event_uid). Returns the
-        event_uids per outcome."""
+        memories follow ``working`` (the design's "lose, blur, or transform"):
+
+        - ``"lose"``: they go;
+        - ``"blur"``: the later half of the words gives way to an ellipsis; same speaker;
+        - ``"transform"``: the words survive whole but change kind: re-framed as a half-remembered
+          dream (speaker ``dream``, the text says "someone" said it, semantic type ``episode``),
+          so the character can no longer cite them as fact or say who said them.
+
+        Blurred and transformed memories keep their event_uid, source_ids, session, data
+        category (the consent boundary: a death never moves a memory into another sharing
+        category) and trait profile (identity drift stays the decay's business); importance and
+        valence are damped by :data:`DEATH_DAMPING`. Primary changes in one transaction. Returns
+        the event_uids per outcome."""
         from nimmer_train.memory.clasp import clear_clasp
 
-        if working not in ("lose", "blur"):
-            raise NimmerError(f"working-memory death rule {working!r}; known: lose, blur")
+        rules = {"lose": None, "blur": _blurred, "transform": _transformed}
+        if working not in rules:
+            raise NimmerError(f"working-memory death rule {working!r}; known: {', '.join(rules)}")
         entries = self.entries()
         lost = [
             e.event_uid
             for e in entries
             if e.memory_class == "volatile" or (e.memory_class == "working" and working == "lose")
         ]
-        blurred = [e for e in entries if e.memory_class == "working" and working == "blur"]
-        self.delete(lost + [e.event_uid for e in blurred])
-        if blurred:
-            self.write_many([_blurred(e) for e in blurred])
+        changed = [e for e in entries if e.memory_class == "working" and working != "lose"]
+        try:
+            with self.primary:
+                self.delete(lost + [e.event_uid for e in changed])
+                if changed:
+                    self.write_many([rules[working](e, self.max_chars) for e in changed])
+        except BaseException:
+            self._indexes.pop("primary", None)  # rolled back: reloaded from the store when next read
+            raise
         if self.has_clasp():
             clear_clasp(self._store("clasp"))
             self._indexes.pop("clasp", None)
         kept = [e.event_uid for e in entries if e.memory_class in ("cornerstone", "birthright")]
-        return {"lost": sorted(lost), "blurred": sorted(e.event_uid for e in blurred), "kept": sorted(kept)}
+        out = {"lost": sorted(lost), "blurred": [], "transformed": [], "kept": sorted(kept)}
+        if changed:
+            out["blurred" if working == "blur" else "transformed"] = sorted(e.event_uid for e in changed)
+        return out
 
     def respawn(self) -> list[MemoryEntry]:
         """Restore the starting state the birthright defines: its entries (locked, never lost) with
@@ -341,10 +360,11 @@ class PlayerMemory:
             self._clasp.close()
 
 
-def _blurred(entry: MemoryEntry) -> dict[str, object]:
-    """A working memory after death: the first half of its words, then an ellipsis; weaker."""
-    words = entry.text.split()
-    text = " ".join(words[: max(1, (len(words) + 1) // 2)]) + " ..."
+DEATH_DAMPING = 0.5  # importance and valence of a working memory that outlives its character
+
+
+def _after_death(entry: MemoryEntry, text: str, **changes: object) -> dict[str, object]:
+    """A working memory rewritten by a death rule: same event, provenance and category, damped."""
     return {
         "text": text,
         "speaker": entry.speaker,
@@ -353,8 +373,23 @@ def _blurred(entry: MemoryEntry) -> dict[str, object]:
         "event_uid": entry.event_uid,
         "semantic_type": entry.semantic_type,
         "trait_engagement": entry.trait_engagement,
-        "emotional_valence": entry.emotional_valence / 2,
-        "importance": entry.importance / 2,
+        "emotional_valence": entry.emotional_valence * DEATH_DAMPING,
+        "importance": entry.importance * DEATH_DAMPING,
         "source_ids": entry.source_ids,
         "session_id": entry.session_id,
+        **changes,
     }
+
+
+def _blurred(entry: MemoryEntry, max_chars: int) -> dict[str, object]:
+    """Blur: the first half of its words, then an ellipsis."""
+    words = entry.text.split()
+    return _after_death(entry, " ".join(words[: max(1, (len(words) + 1) // 2)]) + " ...")
+
+
+def _transformed(entry: MemoryEntry, max_chars: int) -> dict[str, object]:
+    """Transform: the whole words, as a half-remembered dream of something someone said."""
+    frame = 'A half-remembered dream: someone said, "{}"'
+    room = max_chars - len(frame.format(""))
+    words = entry.text if len(entry.text) <= room else entry.text[: room - 3] + "..."
+    return _after_death(entry, frame.format(words), speaker="dream", semantic_type="episode")

@@ -7,7 +7,8 @@ origin, provenance, governance, validity interval), an audit row per lifecycle t
 FTS5 index over entry text, the search log and a key-value meta table. Existing entries are
 backfilled as generated crystals; nothing is dropped or rewritten. v5 adds the design's remaining
 consent columns (anonymization_method, benefit_tier, last_contribution_at, contribution_count,
-can_request_deletion); v6 locks birthright entries (no edit, no delete) with triggers.
+can_request_deletion); v6 locks birthright entries (no edit, no delete) with triggers; v7 keeps
+each event's sync mark (sent upstream, withheld, or canon back-written at login).
 The clasp store and fallback.sqlite (a snapshot of primary) share the entry tables.
 """
 
@@ -171,6 +172,17 @@ CREATE TRIGGER birthright_locked_delete BEFORE DELETE ON entries WHEN old.memory
     SELECT RAISE(ABORT, 'birthright memories are locked at character creation (no prune)');
 END;
 """
+# v7 (issue 26, design "Dual-table redundancy + sync-on-auth"): each event's standing on the sync
+# path, so that logout's blob holds only in-progress events (see sync.py). No row yet means in
+# progress; existing entries get none, so the first logout after the upgrade sends what today's
+# logout would have, once.
+SYNC_MARKS_V7 = """
+CREATE TABLE sync_marks (
+    event_uid TEXT PRIMARY KEY,
+    mark TEXT NOT NULL CHECK (mark IN ('sent', 'withheld', 'canon')),
+    at REAL NOT NULL
+);
+"""
 PRIMARY_MIGRATIONS = (
     MEMORY_SCHEMA_V1 + CONSENT_SCHEMA_V1,
     CANON_SCHEMA_V2,
@@ -178,5 +190,6 @@ PRIMARY_MIGRATIONS = (
     CRYSTAL_SCHEMA,
     CONSENT_COLUMNS_V5,
     BIRTHRIGHT_LOCK_V6,
+    SYNC_MARKS_V7,
 )
 CLASP_MIGRATIONS = (MEMORY_SCHEMA_V1, CRYSTAL_SCHEMA)

@@ -1,7 +1,7 @@
 """The sync boundary of a player's stores.
 
 - logout: the session ends, so a prune pass runs (volatile memories of the session go, decayed
-  working ones too); then the upstream prune-blob (what remains in primary, no vectors) and a
+  working ones too); then the upstream prune-blob of the in-progress events (no vectors) and a
   snapshot of primary.sqlite to fallback.sqlite through SQLite's online backup API;
 - login: back-write fragments applied by event_uid, idempotently;
 - start-up: integrity_check of primary; when it fails (or the file cannot be opened at all),
@@ -9,6 +9,19 @@
   after the last snapshot.
 
 The clasp store takes no part: nothing here opens it.
+
+In-progress events (design: "Graceful logout: push prune-blob for any in-progress events"): the
+events whose canon the Compositor has not composed yet, seen from this device. An entry is in the
+blob when it has no sync mark, i.e. it was written since the last graceful logout (each logout
+marks every entry it saw ``sent`` or ``withheld``: a perspective is offered once, at the end of
+the session it happened in) and no login back-wrote canon for its event_uid (marked ``canon``:
+the event is composed, and canon is never echoed back); when it is working memory or cornerstone
+(a vow or a loss is formed by an event, so its perspective belongs to that event's canon;
+birthright is the character's starting state, not an event, and volatile memory is
+session-bounded, so neither ever goes); and when its category is not excluded by consent.
+Entries written in a session that ended ungracefully carry no mark, so they go at the next
+graceful logout unless their canon came first. An exclusion lifted later sends nothing written
+before it was lifted.
 """
 
 from __future__ import annotations
@@ -21,11 +34,15 @@ from pathlib import Path
 
 import apsw
 
+from nimmer_train.artifacts import write_bytes_atomic
 from nimmer_train.memory.db import connect, integrity_ok
 from nimmer_train.memory.embedding import Embedder
+from nimmer_train.memory.entries import MemoryEntry
 from nimmer_train.memory.player_memory import PRIMARY_FILE, Clock, PlayerMemory
 
 FALLBACK_FILE = "fallback.sqlite"
+UPSTREAM_CLASSES = ("working", "cornerstone")  # event perspectives; birthright and volatile never
+FRAGMENT_FIELDS = ("semantic_type", "trait_engagement", "emotional_valence", "importance", "session_id")
 SNAPSHOT_META = (
     "CREATE TABLE IF NOT EXISTS snapshot_meta (id INTEGER PRIMARY KEY CHECK (id = 1), taken_at REAL)"
 )
@@ -46,19 +63,37 @@ class StartupReport:
         return f"primary store restored from fallback ({self.reason}); writes after {when} UTC were lost"
 
 
-def logout(memory: PlayerMemory, upstream: Path) -> Path:
-    """Prune, write the upstream blob to ``upstream`` (JSON lines) and snapshot primary to fallback."""
+def in_progress(memory: PlayerMemory) -> tuple[list[MemoryEntry], list[MemoryEntry]]:
+    """The entries of in-progress events (see the module docstring) and the other unmarked ones
+    (excluded categories, birthright, volatile), which the next logout marks ``withheld``."""
     from nimmer_train.memory.consent import get_consent
+
+    excluded = set(get_consent(memory).excluded_categories)  # never upstream, whatever the tier
+    marked = {row[0] for row in memory.primary.execute("SELECT event_uid FROM sync_marks")}
+    unmarked = [e for e in memory.entries() if e.event_uid not in marked]
+    sent = [e for e in unmarked if e.memory_class in UPSTREAM_CLASSES and e.data_category not in excluded]
+    uids = {e.event_uid for e in sent}
+    return sent, [e for e in unmarked if e.event_uid not in uids]
+
+
+def logout(memory: PlayerMemory, upstream: Path) -> Path:
+    """Prune, write the upstream blob of the in-progress events to ``upstream`` (JSON lines,
+    atomically), mark what this logout saw, and snapshot primary to fallback."""
     from nimmer_train.memory.pruning import prune
 
     prune(memory, current_session=None)
-    excluded = set(get_consent(memory).excluded_categories)  # never upstream, whatever the tier
-    entries = [e for e in memory.entries() if e.data_category not in excluded]
-    tmp = upstream.with_suffix(".tmp")
-    with open(tmp, "w") as fh:
-        for entry in entries:
-            fh.write(json.dumps({**entry.__dict__, "source_ids": list(entry.source_ids)}) + "\n")
-    tmp.replace(upstream)
+    sent, withheld = in_progress(memory)
+    lines = [json.dumps({**e.__dict__, "source_ids": list(e.source_ids)}) + "\n" for e in sent]
+    write_bytes_atomic(upstream, "".join(lines).encode())
+    now = memory.clock()  # marked after the blob is on disk: a crash before resends, never drops
+    with memory.primary:
+        memory.primary.executemany(
+            "INSERT OR IGNORE INTO sync_marks VALUES (?, ?, ?)",
+            [(e.event_uid, "sent", now) for e in sent] + [(e.event_uid, "withheld", now) for e in withheld],
+        )
+        memory.primary.execute(
+            "DELETE FROM sync_marks WHERE event_uid NOT IN (SELECT event_uid FROM entries)"
+        )
     snapshot(memory)
     return upstream
 
@@ -78,36 +113,43 @@ def login(memory: PlayerMemory, fragments: Iterable[dict]) -> int:
     """Apply back-written fragments under their event_uid (design "Dual-table redundancy +
     sync-on-auth"): a new event_uid is added; one already present whose text differs is merged
     (the Compositor's canon replaces the local working or volatile entry; cornerstone and
-    birthright are never rewritten); an identical one is skipped. Returns how many were new."""
+    birthright are never rewritten); an identical one is skipped. Each fragment's event is marked
+    ``canon`` (composed: never in a logout blob again), in the same transaction as its merge, so a
+    bad fragment changes nothing. Returns how many were new."""
     local = {e.event_uid: e for e in memory.entries()}
     known = set(local)
     added = 0
     for fragment in fragments:
-        if fragment["event_uid"] in known:
-            mine = local.get(fragment["event_uid"])
-            if (
-                mine is None
-                or mine.text == fragment["text"]
-                or mine.memory_class not in ("working", "volatile")
-            ):
-                continue
-            memory.delete([mine.event_uid])  # canon replaces it below, same event_uid
-            added -= 1  # a merge, not a new event
-        fields = {
-            k: v
-            for k, v in fragment.items()
-            if k in ("semantic_type", "trait_engagement", "emotional_valence", "importance", "session_id")
-        }
-        memory.write(
-            fragment["text"],
-            fragment["speaker"],
-            fragment["memory_class"],
-            fragment["data_category"],
-            event_uid=fragment["event_uid"],
-            source_ids=tuple(fragment.get("source_ids", ())),
-            **fields,
-        )
-        known.add(fragment["event_uid"])
+        uid = fragment["event_uid"]
+        try:
+            with memory.primary:
+                memory.primary.execute(
+                    "INSERT OR REPLACE INTO sync_marks VALUES (?, 'canon', ?)", (uid, memory.clock())
+                )
+                if uid in known:
+                    mine = local.get(uid)
+                    if (
+                        mine is None
+                        or mine.text == fragment["text"]
+                        or mine.memory_class not in ("working", "volatile")
+                    ):
+                        continue
+                    memory.delete([uid])  # canon replaces it below, same event_uid
+                    added -= 1  # a merge, not a new event
+                fields = {k: v for k, v in fragment.items() if k in FRAGMENT_FIELDS}
+                memory.write(
+                    fragment["text"],
+                    fragment["speaker"],
+                    fragment["memory_class"],
+                    fragment["data_category"],
+                    event_uid=uid,
+                    source_ids=tuple(fragment.get("source_ids", ())),
+                    **fields,
+                )
+        except BaseException:
+            memory._indexes.pop("primary", None)  # rolled back: reloaded from the store when next read
+            raise
+        known.add(uid)
         added += 1
     return added
 

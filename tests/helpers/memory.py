@@ -70,14 +70,20 @@ def agent_memory(folder, clock: Clock | None = None, embedder=None):  # noqa: AN
 def write_v3_store(folder, rows: list[tuple[str, str, str, str]]) -> None:  # noqa: ANN001
     """A primary store as schema v3 (before crystals) left it: entries and vectors, no crystals.
     ``rows`` are (event_uid, text, memory_class, data_category)."""
-    from nimmer_train.memory.db import connect, migrate
-    from nimmer_train.memory.entries import COLUMNS, MemoryEntry
     from nimmer_train.memory.player_memory import PRIMARY_FILE
     from nimmer_train.memory.schema import PRIMARY_MIGRATIONS
 
-    path = folder / PRIMARY_FILE
+    write_old_store(folder / PRIMARY_FILE, PRIMARY_MIGRATIONS[:3], rows)
+
+
+def write_old_store(path, migrations, rows: list[tuple[str, str, str, str]]) -> None:  # noqa: ANN001
+    """A store at ``path`` as an older schema (``migrations``) left it, plaintext, with ``rows``
+    (event_uid, text, memory_class, data_category) and their hash-embedder vectors."""
+    from nimmer_train.memory.db import connect, migrate
+    from nimmer_train.memory.entries import COLUMNS, MemoryEntry
+
     db = connect(path)
-    migrate(db, PRIMARY_MIGRATIONS[:3], path)
+    migrate(db, migrations, path)
     vectors = HashEmbedder().embed([r[1] for r in rows])
     with db:
         for (uid, text, cls, cat), vector in zip(rows, vectors, strict=True):

@@ -96,7 +96,10 @@ def test_only_the_clasp_module_opens_the_clasp_store() -> None:
         "nimmer_train/memory/clasp.py": "defines",
         "nimmer_train/memory/player_memory.py": "in-between path",
     }
-    pattern = re.compile(r"clasp\.sqlite|CLASP_FILE|open_clasp")
+    # its files (sealed, the plaintext one it migrates, its lock) and the names that reach them
+    pattern = re.compile(
+        r"clasp\.(sqlite|sealed|lock)|CLASP_FILE|LEGACY_FILE|ClaspStore|clasp_exists|open_clasp"
+    )
     offenders = []
     for folder in ("nimmer_train", "pipelines", "federated", "benchmarks"):
         for path in (REPO / folder).rglob("*.py") if (REPO / folder).exists() else []:
