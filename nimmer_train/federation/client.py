@@ -46,7 +46,6 @@ from nimmer_train.memory.consent import (
 from nimmer_train.memory.embedding import NoEmbedder
 from nimmer_train.memory.player_memory import PlayerMemory
 from nimmer_train.privacy.a2_pool import A2Pool, PoolTooSmall
-from nimmer_train.privacy.accounting import epsilon
 
 log = logging.getLogger(__name__)
 TIER = "A1_federated"
@@ -126,6 +125,8 @@ def federation_epsilon(config: dict[str, Any]) -> float | None:
     """The federation's user-level epsilon once this round is released: the ledger's A.1 figure,
     one accountant step (z, q) per released round. It bounds this device's loss too (it counts
     rounds released before the device joined). None when the server does not say its mechanism."""
+    from nimmer_train.privacy.accounting import epsilon  # opacus, so torch: only after a fit
+
     if not all(k in config for k in A1_MECHANISM):
         return None
     z, q, released = (config[k] for k in A1_MECHANISM)

@@ -153,6 +153,7 @@ def journey(work: Path) -> dict[str, Any]:
     # the server's side: the SuperLink's log, the A.2 node's (server-operated), everything the
     # ServerApp wrote, the pool, the intake's files and the MLflow store; devices' own files not
     server_side = [work / "flower/logs/superlink.log", work / "flower/logs/a2-node.log", work / "mlflow.db"]
+    server_side += sorted((work / "flower/logs").glob("run-*.log"))  # the ServerApp's, as `flwr log` shows it
     server_side += [
         p for folder in ("out", "out2", "server") for p in (work / folder).rglob("*") if p.is_file()
     ]

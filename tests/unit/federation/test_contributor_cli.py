@@ -2,13 +2,16 @@
 TLS handshake on loopback), `nimmer contribute`'s refusals and its SuperNode's retry line naming
 the address (a real flower-supernode against a port nobody serves), and the A.2 intake by files:
 `nimmer contributions upload`, `nimmer federation a2 add|status|forget`, `nimmer contributions
-forget` and its answer (the pool never trains on a forgotten upload again)."""
+forget` and its answer (the pool never trains on a forgotten upload again); the ClientApp a
+SuperNode loads for every message imports no torch."""
 
 from __future__ import annotations
 
 import json
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from nimmer_train.federation.deploy import SuperNode, free_port, node_config, ru
 from nimmer_train.memory.contributions import entries
 from nimmer_train.memory.synthetic import generate_player
 from nimmer_train.privacy.a2_pool import A2Pool
+from tests.helpers import REPO
 from tests.helpers.memory import HashEmbedder
 from tests.helpers.published import publish_registers
 
@@ -194,3 +198,15 @@ def test_a_forget_request_given_a_folder_is_written_inside_it(tmp_path: Path, ca
     assert main(["contributions", "forget", str(device), "--out", str(requests)]) == 0
     (written,) = requests.glob("deletion-request-*.json")
     assert json.loads(written.read_text())["upload_ids"] and str(written) in capsys.readouterr().out
+
+
+def test_the_clientapp_a_supernode_loads_for_each_message_needs_no_torch() -> None:
+    """A SuperNode runs every message in a new process that loads federated/client_app.py (each
+    SecAgg+ stage is a message: four a round); only a fit trains, so only a fit imports torch
+    (seconds of CPU per process, which the whole machine felt)."""
+    probe = "import sys, client_app; print(sorted({'opacus', 'torch', 'transformers'} & set(sys.modules)))"
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO / "federated", capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", f"loading the ClientApp imported {proc.stdout.strip()}"
