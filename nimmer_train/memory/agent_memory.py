@@ -496,7 +496,8 @@ class AgentMemory:
     # -- status --------------------------------------------------------------------------------
     def memory_status(self, mode: Mode = Mode.REALWORLD) -> dict[str, object]:
         """Lifecycle counts, consolidation times, scheduler budgets, ingestion backlog, governance
-        stats, goals and the user profile (live directives)."""
+        stats, goals and the user profile (live directives). Nothing of the clasp store unless
+        ``mode`` is IN_BETWEEN (not even its last consolidation report)."""
         with self.lock:  # the stores' connections are shared with the watcher and indexer threads
             return self._status(mode)
 
@@ -545,12 +546,18 @@ class AgentMemory:
         ]
         last = get_meta(db, "last_consolidation")
         interval = get_meta(db, "consolidation_interval_s", 1800.0)
+        report = get_meta(db, "last_consolidation_report")
+        if isinstance(report, dict):  # primary's part (a report written before issue 26 held the clasp's)
+            report = {k: v for k, v in report.items() if k != "clasp"}
+            mine = get_meta(self.db("clasp"), "last_consolidation_report") if "clasp" in stores else None
+            if mine is not None:
+                report["clasp"] = mine
         return {
             "stores": stores,
             "consolidation": {
                 "last": last,
                 "next": None if last is None else last + interval,  # type: ignore[operator]
-                "last_report": get_meta(db, "last_consolidation_report"),
+                "last_report": report,
             },
             "scheduler": self.scheduler_info(),
             "ingestion_backlog": self.ingestion_backlog(),

@@ -11,8 +11,11 @@ lives in :data:`CLASP_FILE` only as ciphertext, and while open as an in-memory S
 (FTS5 and vec0 need plaintext pages, and sealing single fields would leave the embeddings, which
 can be inverted, in clear). :func:`open_clasp` unseals the file into memory; every committed
 write is flushed by serialize -> seal -> atomic replace (temp file, fsync, rename, fsync the
-folder), so a kill mid-write leaves the previous sealed file. Deleted pages are zeroed
-(secure_delete) and temp data stays in memory (temp_store), so nothing spills to disk.
+folder), so a kill mid-write leaves the previous sealed file. A flush that fails (a full disk)
+does not undo the commit, so the writer is not told it failed: it is logged as an error naming
+the file, and the change is sealed at the next commit or at :meth:`ClaspStore.close`, which
+raises if it still cannot (the loss is never silent). Deleted pages are zeroed (secure_delete)
+and temp data stays in memory (temp_store), so nothing spills to disk.
 
 The file: :data:`MAGIC`, one JSON header line ``{"key": <Sealed>, "nonce": ...}``, then the
 database image under AES-256-GCM with a random store key (the header is the AAD). The store key
@@ -21,9 +24,18 @@ device's runtime key (``runtime.key``, mode 0600, the one that seals the BYOK ke
 store is made; it is unwrapped once per open, so a write costs one AES pass and no key derivation.
 
 A plaintext :data:`LEGACY_FILE` (stores from before issue 26) is migrated on first open: every
-row is kept, the sealed file is written and synced, then the plaintext file and its -wal/-shm are
-overwritten with zeros and removed. One opener at a time (a flock on :data:`LOCK_FILE`): the
-store lives in the opener's memory, so a second one would overwrite its writes.
+row is kept, but nothing the old code deleted (the image is vacuumed and its full-text index
+rebuilt before the first seal); the sealed file is written and synced, then the plaintext file
+and its -wal/-shm are overwritten with zeros and removed (the -wal that SQLite deletes itself when
+the WAL is folded in is zeroed first, by :class:`_ShreddingVFS`). The sealed store records a
+digest of the rows it migrated, so a plaintext file found beside it later is shredded only when
+it is that same copy (a migration killed after its flush); one holding anything else (an older
+build ran in between) is refused, naming both files, and neither loses a row.
+
+One opener at a time (a flock on :data:`LOCK_FILE`): the store lives in the opener's memory, so
+a second one would overwrite its writes; it gets :class:`ClaspBusy`, which callers that can wait
+(the transcript indexer, consolidation) tell apart from a refusal. Not detected: an older
+``clasp.sealed`` put back by hand (a file-level backup from before a death) opens as it was.
 """
 
 from __future__ import annotations
@@ -31,7 +43,10 @@ from __future__ import annotations
 import base64
 import binascii
 import fcntl
+import functools
+import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import IO, Any
@@ -43,6 +58,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from nimmer_train.artifacts import write_bytes_atomic
 from nimmer_train.backup.sealing import BackupError, Sealed, seal, unseal
 from nimmer_train.errors import NimmerError
+from nimmer_train.memory.crystals import get_meta, set_meta
 from nimmer_train.memory.db import connect, migrate
 from nimmer_train.memory.llm_config import KEY_FILE, device_secret
 from nimmer_train.memory.schema import CLASP_MIGRATIONS
@@ -53,6 +69,14 @@ LOCK_FILE = "clasp.lock"
 MAGIC = b"nimmer-clasp-sealed-v1\n"
 KEY_NAME = "clasp-store-key"  # the sealed store key's lora_name (the sealing code's metadata field)
 MAX_HEADER = 64 * 1024
+MIGRATED_META = "migrated_legacy_digest"  # memory_meta key: the digest of the rows migrated from LEGACY_FILE
+SHREDDING_VFS = "nimmer-clasp-shredding"
+log = logging.getLogger(__name__)
+
+
+class ClaspBusy(NimmerError):
+    """The clasp store is open elsewhere (another process or PlayerMemory holds its lock): a
+    retry after that opener closes can succeed, unlike a refusal."""
 
 
 def clasp_exists(folder: Path) -> bool:
@@ -64,8 +88,8 @@ class ClaspStore(apsw.Connection):
     """The clasp store, open in memory; every committed write is sealed to :data:`CLASP_FILE`.
 
     A commit (a ``with db:`` block, or a statement run outside one) is flushed when it ends; a
-    failed flush raises and is retried at the next commit or at :meth:`close`. The file on disk
-    stays the last one sealed."""
+    failed flush is logged (the commit stands) and retried at the next commit and at
+    :meth:`close`, which raises if it still fails. The file on disk stays the last one sealed."""
 
     path: Path
     _key: bytes
@@ -80,7 +104,15 @@ class ClaspStore(apsw.Connection):
 
     def _after(self) -> None:
         if self._dirty and self._ready and self.getautocommit():
+            self._flush_or_log()
+
+    def _flush_or_log(self) -> None:
+        """Flush; a failure is logged, not raised: the commit happened (the writer must not retry
+        it), and the store stays dirty, so the next commit or close seals it."""
+        try:
             self.flush()
+        except NimmerError as exc:
+            log.error("%s", exc)
 
     def __exit__(self, *exc: Any) -> Any:
         out = super().__exit__(*exc)
@@ -117,7 +149,8 @@ class ClaspStore(apsw.Connection):
         fresh.close()
         self.deserialize("main", image)
         _harden(self)
-        self.flush()
+        self._dirty = True
+        self._flush_or_log()
 
     def close(self, force: bool = False) -> None:
         """Flush what is not sealed yet, then close and let the next opener in (even when the
@@ -148,6 +181,7 @@ def open_clasp(folder: Path) -> ClaspStore:
         raise
     db.path, db._lock = path, lock
     try:
+        migrated = None  # the digest of the legacy rows this open migrates
         if path.exists():
             image, db._key, db._wrapped = _unseal_file(path, secret, folder / KEY_FILE)
             db.deserialize("main", image)
@@ -162,10 +196,17 @@ def open_clasp(folder: Path) -> ClaspStore:
             )
             if legacy.exists():
                 db.deserialize("main", _plain_image(legacy))
+                migrated = _digest(_rows(db))
         _harden(db)
         db.set_commit_hook(db._committed)
         before = db.execute("PRAGMA user_version").fetchone()[0]
         migrate(db, CLASP_MIGRATIONS, path)
+        if migrated is not None:
+            _drop_deleted(db)
+            with db:
+                set_meta(db, MIGRATED_META, migrated)
+        elif legacy.exists():
+            _check_migrated_copy(db, legacy)
         db._ready = True
         if not path.exists() or before != len(CLASP_MIGRATIONS):
             db.flush()
@@ -186,6 +227,50 @@ def clear_clasp(db: ClaspStore) -> int:
     return int(count)
 
 
+def _rows(db: apsw.Connection) -> list[tuple[str, str]]:
+    return [(r[0], r[1]) for r in db.execute("SELECT event_uid, text FROM entries ORDER BY event_uid")]
+
+
+def _digest(rows: list[tuple[str, str]]) -> str:
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def _drop_deleted(db: apsw.Connection) -> None:
+    """Leave no trace of what a legacy store had deleted (its DELETEs kept the old cells and free
+    pages, and FTS5 keeps a deleted row's terms until a merge): rebuild the full-text index, then
+    VACUUM the image, before it is first sealed."""
+    with db:
+        db.execute("INSERT INTO entries_fts (entries_fts) VALUES ('rebuild')")
+    db.execute("VACUUM")
+
+
+def _check_migrated_copy(db: ClaspStore, legacy: Path) -> None:
+    """``legacy`` beside the sealed store: fine (shredded next) when it holds exactly the rows the
+    sealed store was migrated from (a migration killed after its flush); else refused, unchanged."""
+    copy = connect(Path(":memory:"))
+    try:
+        copy.deserialize("main", _plain_image(legacy))
+        rows = _rows(copy)
+    except apsw.Error as exc:
+        raise NimmerError(
+            f"{legacy} beside {db.path} cannot be read as a clasp store ({exc}); nothing was "
+            f"changed: move {legacy.name} aside"
+        ) from exc
+    finally:
+        copy.close()
+    if _digest(rows) == get_meta(db, MIGRATED_META):
+        return
+    sealed = {uid for uid, _ in _rows(db)}
+    only = sum(uid not in sealed for uid, _ in rows)
+    raise NimmerError(
+        f"{legacy} (plaintext, {len(rows)} entries, {only} of them not in {db.path.name}) is not "
+        f"the copy {db.path} was migrated from: an older build wrote it after the migration. "
+        f"Neither was changed (but for its WAL, folded in). Move {legacy.name} aside to keep "
+        f"{db.path.name} (its entries stay unread), or move {db.path.name} aside to migrate "
+        f"{legacy.name} in its place"
+    )
+
+
 def _harden(db: apsw.Connection) -> None:
     db.execute("PRAGMA secure_delete=ON")  # freed pages are zeroed, in the image that gets sealed
     db.execute("PRAGMA temp_store=MEMORY")  # sorts and temp tables never spill to a file
@@ -197,7 +282,7 @@ def _lock(folder: Path) -> IO[bytes]:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         fh.close()
-        raise NimmerError(
+        raise ClaspBusy(
             f"the clasp store {folder / CLASP_FILE} is already open (another process or PlayerMemory "
             f"holds {LOCK_FILE}); it lives in its opener's memory, so close that one first"
         ) from None
@@ -247,8 +332,10 @@ def _unseal_file(path: Path, secret: str, key_file: Path) -> tuple[bytes, bytes,
 
 def _plain_image(legacy: Path) -> bytes:
     """The database image of a plaintext clasp store, WAL folded in and in rollback-journal mode
-    (an in-memory database cannot read a WAL-mode image)."""
-    db = connect(legacy)
+    (an in-memory database cannot read a WAL-mode image). SQLite deletes the -wal itself when
+    it leaves WAL mode; :class:`_ShreddingVFS` zeroes it first."""
+    _shredding_vfs()
+    db = connect(legacy, _LegacyConnection)
     try:
         db.execute("PRAGMA journal_mode=DELETE")
         return db.serialize("main")
@@ -258,11 +345,42 @@ def _plain_image(legacy: Path) -> bytes:
 
 def _shred(path: Path) -> None:
     """Overwrite with zeros, sync and remove (best effort: a file system may keep old blocks)."""
-    if not path.exists():
-        return
-    size = path.stat().st_size
-    with open(path, "r+b") as fh:
-        fh.write(bytes(size))
+    if _overwrite(path):
+        path.unlink()
+
+
+def _overwrite(path: Path) -> bool:
+    """Overwrite the file with zeros and sync it; False when there is no such file."""
+    try:
+        fh = open(path, "r+b")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        return False
+    with fh:
+        fh.write(bytes(os.fstat(fh.fileno()).st_size))
         fh.flush()
         os.fsync(fh.fileno())
-    path.unlink()
+    return True
+
+
+class _ShreddingVFS(apsw.VFS):
+    """SQLite's unix VFS, except that a file SQLite deletes is overwritten with zeros first (the
+    base is named, not "the default": a VFS a test made the default may be gone later)."""
+
+    def __init__(self) -> None:
+        super().__init__(SHREDDING_VFS, base="unix")
+
+    def xDelete(self, filename: str, syncdir: bool) -> None:  # noqa: N802 - apsw's name
+        _overwrite(Path(filename))
+        super().xDelete(filename, syncdir)
+
+
+@functools.cache
+def _shredding_vfs() -> _ShreddingVFS:
+    return _ShreddingVFS()  # registered once; kept alive by the cache
+
+
+class _LegacyConnection(apsw.Connection):
+    """A connection to a plaintext legacy store, through :class:`_ShreddingVFS`."""
+
+    def __init__(self, filename: str) -> None:
+        super().__init__(filename, vfs=SHREDDING_VFS)

@@ -19,6 +19,10 @@ Run every 30 minutes of (game) time by :mod:`nimmer_train.memory.scheduler` and 
 6. stalled goals: live goal crystals without progress for ``stalled_goal_s`` get stalled_at.
 
 A kill at any point leaves every committed step whole and the rest undone; a rerun finishes.
+The clasp store is opened before any step: when another opener holds it (a server beside
+``nimmer memory consolidate``), its steps are skipped and the report says so; primary's run
+completes. The report is recorded per store: primary's part in primary, the clasp's in the clasp
+store (primary, which a remote ring may be shown, never learns how the in-between was used).
 Frozen crystals (skills) are never touched. Unlike Bitterbot, merge is not gated by a promote
 threshold nor limited to one file (its merges almost never fired).
 
@@ -40,6 +44,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from nimmer_train.memory.agent_memory import AgentMemory
+from nimmer_train.memory.clasp import ClaspBusy
 from nimmer_train.memory.crystals import ACTIVE, audit, set_meta, transition
 from nimmer_train.memory.importance import NEVER_DECAY_CLASSES, ImportancePolicy, importance_many
 from nimmer_train.memory.search import GONE
@@ -71,7 +76,14 @@ def consolidate(
     started = time.perf_counter()
     report: dict[str, object] = {"now": now}
     with agent.lock:
-        for store in agent.existing_stores():
+        stores = agent.existing_stores()
+        if "clasp" in stores:
+            try:
+                agent.db("clasp")
+            except ClaspBusy as exc:
+                stores.remove("clasp")
+                report["clasp"] = f"skipped: {exc}"
+        for store in stores:
             report[store] = {
                 "rescored": _rescore(agent, store, now, policy),
                 "forgotten": _forget(agent, store, now, policy),
@@ -84,11 +96,14 @@ def consolidate(
 
         report["curiosity"] = curiosity.run(agent, now)  # regions rebuilt, targets refreshed
         report["wall_s"] = round(time.perf_counter() - started, 4)
+        if "clasp" in stores:
+            with agent.db("clasp"):
+                set_meta(agent.db("clasp"), "last_consolidation_report", report["clasp"])
         db = agent.db("primary")
         with db:
             set_meta(db, "last_consolidation", now)
             set_meta(db, "consolidation_interval_s", policy.interval_s)
-            set_meta(db, "last_consolidation_report", report)
+            set_meta(db, "last_consolidation_report", {k: v for k, v in report.items() if k != "clasp"})
     return report
 
 

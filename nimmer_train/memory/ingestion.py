@@ -11,8 +11,9 @@
 - Transcripts: :class:`TranscriptIndexer` turns each exchange into an episode crystal on a
   background thread (speaker, session id, turn ids, timestamp), so a turn never waits for it;
   an exchange over the entry limit is split into parts that say so, a failed batch is retried
-  one exchange at a time (transient faults with a short backoff), and only what still fails is
-  dropped, with a log line naming it and why.
+  one exchange at a time (transient faults with a short backoff), an in-between exchange whose
+  clasp store is open elsewhere waits for it, and only what still fails is dropped, with a log
+  line naming it and why.
 - :class:`WorkspaceWatcher` runs ingestion on every change that ``watchfiles`` reports.
 """
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.agent_memory import SCRATCH, AgentMemory, note_spec
+from nimmer_train.memory.clasp import ClaspBusy
 from nimmer_train.memory.crystals import EXCHANGE_SPEAKER, CrystalSpec, content_hash
 from nimmer_train.memory.player_memory import Mode, as_mode
 
@@ -399,19 +401,26 @@ class TranscriptIndexer:
     """Indexes submitted exchanges on a daemon thread, in batches; ``lags_s`` records, per
     exchange, the seconds from submit to commit.
 
-    A batch that fails is indexed again one exchange at a time, so only a bad exchange is lost;
-    an exchange that fails alone is tried up to ``tries`` times with a doubling pause (a
-    transient fault: an embedder error, a busy store), unless the store refused its content
-    (:class:`InvalidEntry`, which another try cannot change). What is given up is logged with
-    the reason and kept in ``dropped`` as (session and turn ids, reason). After :meth:`close`,
-    :meth:`submit` raises :class:`IndexerClosed` and :meth:`flush` returns at once.
+    A batch is indexed one transaction per mode; one that fails is indexed again one exchange at
+    a time, so only a bad exchange is lost; an exchange that fails alone is tried up to ``tries``
+    times with a doubling pause (a transient fault: an embedder error, a busy store), unless the
+    store refused its content (:class:`InvalidEntry`, which another try cannot change). An
+    in-between exchange whose clasp store another opener holds (:class:`ClaspBusy`, e.g. the
+    runtime's memory on the same folder) waits in ``waiting``, tried again every ``wait_s``
+    seconds and at :meth:`close`. What is given up is logged with the reason and kept in
+    ``dropped`` as (session and turn ids, reason). After :meth:`close`, :meth:`submit` raises
+    :class:`IndexerClosed` and :meth:`flush` returns at once.
     """
 
-    def __init__(self, agent: AgentMemory, batch: int = 64, tries: int = 3, backoff_s: float = 0.2) -> None:
+    def __init__(
+        self, agent: AgentMemory, batch: int = 64, tries: int = 3, backoff_s: float = 0.2, wait_s: float = 5.0
+    ) -> None:
         self.agent, self.batch, self.tries, self.backoff_s = agent, batch, tries, backoff_s
+        self.wait_s = wait_s
         self.queue: queue.Queue[Exchange | None] = queue.Queue()
         self.lags_s: list[float] = []
         self.dropped: list[tuple[str, str]] = []
+        self.waiting: list[Exchange] = []  # in-between exchanges whose clasp store is open elsewhere
         self.closed = threading.Event()
         self._submitting = threading.Lock()  # no exchange slips in behind close()'s end marker
         self.thread = threading.Thread(target=self._run, name="transcript-indexer", daemon=True)
@@ -431,8 +440,13 @@ class TranscriptIndexer:
 
     def _run(self) -> None:
         while True:
-            first = self.queue.get()
+            try:
+                first = self.queue.get(timeout=self.wait_s if self.waiting else None)
+            except queue.Empty:
+                self._retry_waiting(final=False)
+                continue
             if first is None:
+                self._retry_waiting(final=True)
                 self.queue.task_done()
                 return
             items = [first]
@@ -455,6 +469,12 @@ class TranscriptIndexer:
                     self.queue.task_done()
 
     def _index(self, items: list[Exchange]) -> None:
+        for mode in Mode:  # one transaction per mode: a retry never repeats the other mode's part
+            group = [e for e in items if e.mode is mode]
+            if group:
+                self._index_group(group)
+
+    def _index_group(self, items: list[Exchange]) -> None:
         try:
             index_exchanges(self.agent, items)
             self._done(items)
@@ -468,10 +488,18 @@ class TranscriptIndexer:
         for exchange in items:
             self._index_one(exchange, 0, None)
 
-    def _index_one(self, exchange: Exchange, tried: int, last: Exception | None) -> None:
-        """Try ``exchange`` alone until ``tries`` tries in all; a refused content is not retried."""
+    def _index_one(
+        self,
+        exchange: Exchange,
+        tried: int,
+        last: Exception | None,
+        waited: bool = False,
+        final: bool = False,
+    ) -> None:
+        """Try ``exchange`` alone until ``tries`` tries in all; a refused content is not retried,
+        and one whose clasp store is open elsewhere waits (unless ``final``: at close)."""
         for attempt in range(tried, self.tries):
-            if isinstance(last, NimmerError):  # refused (InvalidEntry, ...): a retry cannot help
+            if isinstance(last, NimmerError):  # refused (InvalidEntry, ...) or busy: not now
                 break
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
@@ -481,19 +509,36 @@ class TranscriptIndexer:
                 return
             except Exception as exc:  # noqa: BLE001 - a transient fault: tried again
                 last = exc
+        if isinstance(last, ClaspBusy) and not final:
+            if not waited:  # said once, when it starts waiting
+                log.warning("transcript exchange %s waits for the clasp store: %s", exchange.label(), last)
+            self.waiting.append(exchange)
+            return
         reason = f"{type(last).__name__}: {last}"
-        tries = "refused by the store" if isinstance(last, NimmerError) else f"after {self.tries} tries"
+        tries = (
+            "its clasp store stayed open elsewhere until close"
+            if isinstance(last, ClaspBusy)
+            else "refused by the store"
+            if isinstance(last, NimmerError)
+            else f"after {self.tries} tries"
+        )
         log.error("transcript exchange %s not indexed (%s): %s", exchange.label(), tries, reason)
         self.dropped.append((exchange.label(), reason))
+
+    def _retry_waiting(self, final: bool) -> None:
+        waiting, self.waiting = self.waiting, []
+        for exchange in waiting:
+            self._index_one(exchange, 0, None, waited=True, final=final)
 
     def _done(self, items: list[Exchange]) -> None:
         done = time.monotonic()
         self.lags_s += [done - e.enqueued for e in items]
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until everything submitted so far is indexed (or given up, see ``dropped``).
-        Returns False, without waiting further, once the indexer is closed and its thread has
-        ended with exchanges left, or when ``timeout`` seconds pass; True when all are done."""
+        """Wait until everything submitted so far is indexed, given up (see ``dropped``) or
+        waiting for the clasp store (see ``waiting``). Returns False, without waiting further,
+        once the indexer is closed and its thread has ended with exchanges left, or when
+        ``timeout`` seconds pass; True when all are done and none is waiting."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.queue.all_tasks_done:
             while self.queue.unfinished_tasks:
@@ -502,11 +547,12 @@ class TranscriptIndexer:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
                 self.queue.all_tasks_done.wait(0.1)
-        return True
+        return not self.waiting
 
     def close(self, timeout: float = 60) -> None:
-        """Refuse new exchanges, index the ones already queued, and end the thread (waiting up
-        to ``timeout`` seconds for it). A second close does nothing."""
+        """Refuse new exchanges, index the ones already queued and the waiting ones (dropped if
+        their clasp store is still open elsewhere), and end the thread (waiting up to ``timeout``
+        seconds for it). A second close does nothing."""
         with self._submitting:
             if self.closed.is_set():
                 return

@@ -314,13 +314,15 @@ class PlayerMemory:
         Blurred and transformed memories keep their event_uid, source_ids, session, data
         category (the consent boundary: a death never moves a memory into another sharing
         category) and trait profile (identity drift stays the decay's business); importance and
-        valence are damped by :data:`DEATH_DAMPING`. Primary changes in one transaction. Returns
-        the event_uids per outcome."""
+        valence are damped by :data:`DEATH_DAMPING`. The clasp store is opened first, so a death
+        that cannot reach it (open elsewhere, a wrong key) changes nothing; then primary changes
+        in one transaction and the clasp is cleared. Returns the event_uids per outcome."""
         from nimmer_train.memory.clasp import clear_clasp
 
         rules = {"lose": None, "blur": _blurred, "transform": _transformed}
         if working not in rules:
             raise NimmerError(f"working-memory death rule {working!r}; known: {', '.join(rules)}")
+        clasp = self._store("clasp") if self.has_clasp() else None  # raises before anything changed
         entries = self.entries()
         lost = [
             e.event_uid
@@ -336,8 +338,8 @@ class PlayerMemory:
         except BaseException:
             self._indexes.pop("primary", None)  # rolled back: reloaded from the store when next read
             raise
-        if self.has_clasp():
-            clear_clasp(self._store("clasp"))
+        if clasp is not None:
+            clear_clasp(clasp)
             self._indexes.pop("clasp", None)
         kept = [e.event_uid for e in entries if e.memory_class in ("cornerstone", "birthright")]
         out = {"lost": sorted(lost), "blurred": [], "transformed": [], "kept": sorted(kept)}

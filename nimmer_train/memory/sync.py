@@ -78,13 +78,18 @@ def in_progress(memory: PlayerMemory) -> tuple[list[MemoryEntry], list[MemoryEnt
 
 def logout(memory: PlayerMemory, upstream: Path) -> Path:
     """Prune, write the upstream blob of the in-progress events to ``upstream`` (JSON lines,
-    atomically), mark what this logout saw, and snapshot primary to fallback."""
+    atomically), mark what this logout saw, and snapshot primary to fallback.
+
+    A blob still at ``upstream`` was not pushed yet (the pusher removes it once sent: offline
+    play), so its events are kept: the new blob is merged into it by event_uid (a new line
+    replaces an old one of the same event), and marking ``sent`` at write time loses nothing."""
     from nimmer_train.memory.pruning import prune
 
     prune(memory, current_session=None)
     sent, withheld = in_progress(memory)
     lines = [json.dumps({**e.__dict__, "source_ids": list(e.source_ids)}) + "\n" for e in sent]
-    write_bytes_atomic(upstream, "".join(lines).encode())
+    earlier = _unpushed(upstream, {e.event_uid for e in sent})
+    write_bytes_atomic(upstream, b"".join(earlier) + "".join(lines).encode())
     now = memory.clock()  # marked after the blob is on disk: a crash before resends, never drops
     with memory.primary:
         memory.primary.executemany(
@@ -96,6 +101,22 @@ def logout(memory: PlayerMemory, upstream: Path) -> Path:
         )
     snapshot(memory)
     return upstream
+
+
+def _unpushed(upstream: Path, replaced: set[str]) -> list[bytes]:
+    """The lines of an earlier blob at ``upstream``, but for the events in ``replaced``; a line
+    that is not a JSON object is kept as it is (the pusher judges it)."""
+    if not upstream.exists():
+        return []
+    out = []
+    for line in upstream.read_bytes().splitlines():
+        try:
+            uid = json.loads(line).get("event_uid")
+        except (ValueError, AttributeError):
+            uid = None
+        if line.strip() and uid not in replaced:
+            out.append(line + b"\n")
+    return out
 
 
 def snapshot(memory: PlayerMemory) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -159,7 +161,7 @@ def test_a_plaintext_clasp_store_migrates_to_the_sealed_one_keeping_every_row(
 
 
 def test_a_crash_between_serialize_and_replace_leaves_the_previous_sealed_store(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     folder = tmp_path / "player"
     memory = _memory(folder)
@@ -171,8 +173,9 @@ def test_a_crash_between_serialize_and_replace_leaves_the_previous_sealed_store(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(NimmerError, match="could not write the sealed clasp store .*last one sealed"):
+    with caplog.at_level(logging.ERROR, logger="nimmer_train.memory.clasp"):  # committed: logged, not raised
         memory.write("lost: the second whisper", "npc", "working", "clasp", mode=Mode.IN_BETWEEN)
+    assert re.search("could not write the sealed clasp store .*last one sealed", caplog.text)
     assert (folder / CLASP_FILE).read_bytes() == previous
     assert sorted(p.name for p in folder.iterdir() if "tmp" in p.name) == []  # no temp file left
     with pytest.raises(NimmerError, match="could not write"):  # the retry at close fails too
@@ -184,8 +187,7 @@ def test_a_crash_between_serialize_and_replace_leaves_the_previous_sealed_store(
     try:
         assert _clasp_texts(again) == ["kept: the first whisper"]
         monkeypatch.setattr(os, "replace", crash)
-        with pytest.raises(NimmerError):
-            again.write("held in memory", "npc", "working", "clasp", mode=Mode.IN_BETWEEN)
+        again.write("held in memory", "npc", "working", "clasp", mode=Mode.IN_BETWEEN)  # logged
         monkeypatch.setattr(os, "replace", real_replace)
         again.write("the next commit", "npc", "working", "clasp", mode=Mode.IN_BETWEEN)  # seals both
     finally:
