@@ -17,11 +17,13 @@ the file, and the change is sealed at the next commit or at :meth:`ClaspStore.cl
 raises if it still cannot (the loss is never silent). Deleted pages are zeroed (secure_delete)
 and temp data stays in memory (temp_store), so nothing spills to disk.
 
-The file: :data:`MAGIC`, one JSON header line ``{"key": <Sealed>, "nonce": ...}``, then the
-database image under AES-256-GCM with a random store key (the header is the AAD). The store key
-is sealed with the backup sealing code (``backup/sealing.py``: AES-256-GCM under scrypt) under the
-device's runtime key (``runtime.key``, mode 0600, the one that seals the BYOK keys), once, when the
-store is made; it is unwrapped once per open, so a write costs one AES pass and no key derivation.
+The file: :data:`MAGIC`, one JSON header line ``{"key": <wrapped store key>, "nonce": ...}``,
+then the database image under AES-256-GCM with a random store key (the header is the AAD). The
+store key is wrapped with AES-256-GCM, once, when the store is made, under a key derived by
+HKDF-SHA256 from the device's runtime secret (``runtime.key``, mode 0600, the one that seals the
+BYOK keys). That secret is a random 256-bit token, not a passphrase, so it needs no stretching:
+scrypt (the backup code's KDF, made for passphrases) would cost 0.5-1 s and 128 MiB per store
+opened, on every synthetic player of a federation. A write costs one AES pass of the image.
 
 A plaintext :data:`LEGACY_FILE` (stores from before issue 26) is migrated on first open: every
 row is kept, but nothing the old code deleted (the image is vacuumed and its full-text index
@@ -53,10 +55,11 @@ from typing import IO, Any
 
 import apsw
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from nimmer_train.artifacts import write_bytes_atomic
-from nimmer_train.backup.sealing import BackupError, Sealed, seal, unseal
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.crystals import get_meta, set_meta
 from nimmer_train.memory.db import connect, migrate
@@ -66,8 +69,8 @@ from nimmer_train.memory.schema import CLASP_MIGRATIONS
 CLASP_FILE = "clasp.sealed"
 LEGACY_FILE = "clasp.sqlite"  # the plaintext store of before issue 26; migrated, then removed
 LOCK_FILE = "clasp.lock"
-MAGIC = b"nimmer-clasp-sealed-v1\n"
-KEY_NAME = "clasp-store-key"  # the sealed store key's lora_name (the sealing code's metadata field)
+MAGIC = b"nimmer-clasp-sealed-v2\n"
+KEY_INFO = b"nimmer clasp store key v2"  # HKDF info, and the wrapped key's AAD
 MAX_HEADER = 64 * 1024
 MIGRATED_META = "migrated_legacy_digest"  # memory_meta key: the digest of the rows migrated from LEGACY_FILE
 SHREDDING_VFS = "nimmer-clasp-shredding"
@@ -93,7 +96,7 @@ class ClaspStore(apsw.Connection):
 
     path: Path
     _key: bytes
-    _wrapped: Sealed
+    _wrapped: dict[str, str]
     _lock: IO[bytes] | None = None
     _dirty: bool = False
     _ready: bool = False  # no flush while open_clasp builds the store (it flushes once, at the end)
@@ -187,13 +190,7 @@ def open_clasp(folder: Path) -> ClaspStore:
             db.deserialize("main", image)
         else:
             db._key = AESGCM.generate_key(bit_length=256)
-            db._wrapped, _ = seal(
-                db._key,
-                secret,
-                {"lora_name": KEY_NAME, "lora_version": 0},
-                account="device",
-                recovery_codes=0,
-            )
+            db._wrapped = _wrap(db._key, secret)
             if legacy.exists():
                 db.deserialize("main", _plain_image(legacy))
                 migrated = _digest(_rows(db))
@@ -289,16 +286,31 @@ def _lock(folder: Path) -> IO[bytes]:
     return fh
 
 
-def _seal_image(image: bytes, key: bytes, wrapped: Sealed) -> bytes:
+def _kek(secret: str) -> AESGCM:
+    """The key that wraps store keys: HKDF-SHA256 of the device's random secret."""
+    return AESGCM(
+        HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=KEY_INFO).derive(secret.encode())
+    )
+
+
+def _wrap(key: bytes, secret: str) -> dict[str, str]:
     nonce = os.urandom(12)
-    header = json.dumps(
-        {"key": json.loads(wrapped.to_bytes()), "nonce": base64.b64encode(nonce).decode()}, sort_keys=True
-    ).encode()
+    sealed = _kek(secret).encrypt(nonce, key, KEY_INFO)
+    return {
+        "kdf": "hkdf-sha256",
+        "nonce": base64.b64encode(nonce).decode(),
+        "ct": base64.b64encode(sealed).decode(),
+    }
+
+
+def _seal_image(image: bytes, key: bytes, wrapped: dict[str, str]) -> bytes:
+    nonce = os.urandom(12)
+    header = json.dumps({"key": wrapped, "nonce": base64.b64encode(nonce).decode()}, sort_keys=True).encode()
     aad = MAGIC + header + b"\n"
     return aad + AESGCM(key).encrypt(nonce, image, aad)
 
 
-def _unseal_file(path: Path, secret: str, key_file: Path) -> tuple[bytes, bytes, Sealed]:
+def _unseal_file(path: Path, secret: str, key_file: Path) -> tuple[bytes, bytes, dict[str, str]]:
     """The database image, the store key and its sealed form; a clear error for a wrong key, a
     changed byte or a file that is not a sealed clasp store."""
     blob = path.read_bytes()
@@ -308,18 +320,22 @@ def _unseal_file(path: Path, secret: str, key_file: Path) -> tuple[bytes, bytes,
         if not blob.startswith(MAGIC) or end < 0:
             raise ValueError("it does not start with the sealed clasp header")
         header = json.loads(blob[len(MAGIC) : end])
-        wrapped = Sealed.from_bytes(json.dumps(header["key"]).encode())
+        wrapped = {k: str(header["key"][k]) for k in ("kdf", "nonce", "ct")}
+        if wrapped["kdf"] != "hkdf-sha256":
+            raise ValueError(f"unknown key wrapping {wrapped['kdf']!r}")
+        key_nonce = base64.b64decode(wrapped["nonce"], validate=True)
+        key_ct = base64.b64decode(wrapped["ct"], validate=True)
         nonce = base64.b64decode(header["nonce"], validate=True)
-    except (ValueError, KeyError, TypeError, binascii.Error, BackupError) as exc:
+    except (ValueError, KeyError, TypeError, binascii.Error) as exc:
         raise NimmerError(
             f"{path} is not a readable sealed clasp store ({exc}); restore it, {move_aside}"
         ) from exc
     try:
-        key = unseal(wrapped, passphrase=secret, expect={"lora_name": KEY_NAME})
-    except BackupError as exc:
+        key = _kek(secret).decrypt(key_nonce, key_ct, KEY_INFO)
+    except (InvalidTag, ValueError) as exc:
         raise NimmerError(
             f"{path} cannot be unsealed with this device's key {key_file} (a wrong key, or the file "
-            f"was changed): {exc}. Put back the runtime.key that sealed it, {move_aside}"
+            f"was changed). Put back the runtime.key that sealed it, {move_aside}"
         ) from exc
     try:
         return AESGCM(key).decrypt(nonce, blob[end + 1 :], blob[: end + 1]), key, wrapped

@@ -1,6 +1,6 @@
 """Adversarial review of the sealed clasp store (issue 26 item 5: ``memory/clasp.py``) and of
-logout's upstream blob (``memory/sync.py``), run for real: real files, real AES-GCM and scrypt
-(the memory tests' cheap cost), real flocks, SQLite's own VFS layer.
+logout's upstream blob (``memory/sync.py``), run for real: real files, real AES-GCM and HKDF,
+real flocks, SQLite's own VFS layer.
 
 The first section holds one test per defect the review confirmed, now fixed and kept as
 regression tests; one known limit stays ``xfail(strict=True)``, its reason saying what goes
@@ -36,7 +36,6 @@ from nimmer_train.memory.schema import CLASP_MIGRATIONS
 from nimmer_train.memory.sync import FALLBACK_FILE, logout
 from nimmer_train.memory.tools import memory_tools
 from tests.helpers.memory import Clock, HashEmbedder, write_old_store
-from tests.unit.backup.conftest import TEST_KDF
 
 EMBED = HashEmbedder()
 REPO = Path(__file__).resolve().parents[3]
@@ -447,9 +446,7 @@ def test_logout_resends_after_a_crash_and_never_sends_clasp_birthright_volatile_
 _KILLED_OPEN = """
 import os
 from pathlib import Path
-from nimmer_train.backup import sealing
 from nimmer_train.memory import clasp
-sealing.KDF_ALLOWED = {kdf!r}
 setattr(clasp, {step!r}, lambda *args, **kwargs: os._exit(137))  # the process dies right there
 clasp.open_clasp(Path({folder!r}))
 """
@@ -457,7 +454,7 @@ clasp.open_clasp(Path({folder!r}))
 
 def _open_killed_at(folder: Path, step: str) -> None:
     """open_clasp in a child process that is killed (exit 137) when it reaches ``step``."""
-    code = _KILLED_OPEN.format(kdf=TEST_KDF, step=step, folder=str(folder))
+    code = _KILLED_OPEN.format(step=step, folder=str(folder))
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, timeout=120)
     assert done.returncode == 137, done.stderr.decode()[-2000:]
 
