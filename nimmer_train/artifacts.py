@@ -59,7 +59,8 @@ def git_commit(cwd: Path | None = REPO_ROOT) -> str:
         return "unknown"
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or unlink in ``folder`` durable."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -73,7 +74,7 @@ def _fsync_tree(root: Path) -> None:
             with open(path, "rb") as fh:
                 os.fsync(fh.fileno())
     for path in [root, *(p for p in root.rglob("*") if p.is_dir())]:
-        _fsync_dir(path)
+        fsync_dir(path)
 
 
 @contextlib.contextmanager
@@ -92,7 +93,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -114,7 +115,7 @@ def write_bytes_atomic(path: Path, data: bytes, private: bool = False) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def write_json_atomic(path: Path, obj: Any, private: bool = False) -> None:

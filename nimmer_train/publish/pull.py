@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from nimmer_train.artifacts import MANIFEST, sha256_file
+from nimmer_train.artifacts import MANIFEST, fsync_dir, sha256_file
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import read_metadata
 from nimmer_train.publish.manifest import (
@@ -539,14 +539,6 @@ def _lora_registered(releases: Path, lora_id: str) -> bool:
         registry.close()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _commit(
     releases: Path,
     staged: Path,
@@ -625,7 +617,7 @@ def _commit(
                 target = releases / "loras" / lora_id
                 if not target.exists() or lora_id in registered:  # missing, or damaged: put it back
                     _put(target, folder, staging.work)
-            _fsync_dir(releases)
+            fsync_dir(releases)
             if staging.alias:
                 registry.set_alias(staging.alias, registry.find(label), _now())
     finally:
