@@ -6,7 +6,7 @@
   power). Every lower bound must stay under its theoretical epsilon;
 - record level (A.2 DP-SGD): Secret-Sharer exposure of canaries planted 1, 4 and 16 times among
   the pool's lines, after the A.2 node's DP-SGD and after a non-DP control on the same lines, on a
-  tiny pretrained model, among 10^4 references (smoke: 200).
+  tiny pretrained model, among 10^4 references (smoke: 50).
 
 One process, torch on one thread (a 64-wide model gains nothing from more).
 ``python -m benchmarks.bench_audit [--smoke]``
@@ -33,10 +33,13 @@ from tests.helpers.tiny_lm import pretrained_release
 TARGETS = (1.0, 3.0, 8.0)
 
 
-def calibrated(target: float, population: int, rate: float, rounds: int, delta: float) -> Mechanism:
-    """The mechanism whose accounted epsilon is ``target`` (bisection on z)."""
+def calibrated(
+    target: float, population: int, rate: float, rounds: int, delta: float, steps: int = 40
+) -> Mechanism:
+    """The mechanism whose accounted epsilon is ``target`` (``steps`` bisection steps on z, each an
+    RDP computation of about 0.1 s)."""
     low, high = 0.05, 50.0
-    for _ in range(40):
+    for _ in range(steps):
         z = (low + high) / 2
         eps = Mechanism(population, rate, z, 1.0, rounds, delta).epsilon()
         low, high = (z, high) if eps is None or eps > target else (low, z)
@@ -44,15 +47,17 @@ def calibrated(target: float, population: int, rate: float, rounds: int, delta: 
 
 
 def user_level(smoke: bool) -> dict[str, object]:
-    population, rate, rounds = (2_000, 0.05, 20) if smoke else (10_000, 0.01, 200)
-    canaries, dim = (300, 2_000) if smoke else (2_000, 10_000)
+    population, rate, rounds = (200, 0.05, 5) if smoke else (10_000, 0.01, 200)
+    canaries, dim = (100, 200) if smoke else (2_000, 10_000)
+    # smoke: one target, z to within 0.1 (the calibration is most of its seconds)
+    targets, steps = ((8.0,), 9) if smoke else (TARGETS, 40)
     figures: dict[str, object] = {
         "user_population": population,
         "user_sample_rate": rate,
         "user_rounds": rounds,
     }
     figures.update({"user_canaries": canaries, "user_dim": dim, "user_delta": 1e-6})
-    mechanisms = {f"eps{t:g}": calibrated(t, population, rate, rounds, 1e-6) for t in TARGETS}
+    mechanisms = {f"eps{t:g}": calibrated(t, population, rate, rounds, 1e-6, steps) for t in targets}
     mechanisms["z0"] = Mechanism(population, rate, 0.0, 1.0, rounds, 1e-6)
     for name, mechanism in mechanisms.items():
         start = time.perf_counter()
@@ -63,16 +68,16 @@ def user_level(smoke: bool) -> dict[str, object]:
         figures[f"user_{name}_guesses_correct"] = f"{audit.correct}/{audit.guesses}"
         figures[f"user_{name}_s"] = round(time.perf_counter() - start, 2)
     figures["user_bounds_valid"] = all(
-        figures[f"user_eps{t:g}_lower_bound"] <= figures[f"user_eps{t:g}_theory"] for t in TARGETS
+        figures[f"user_eps{t:g}_lower_bound"] <= figures[f"user_eps{t:g}_theory"] for t in targets
     )
     return figures
 
 
 def record_level(smoke: bool) -> dict[str, object]:
-    steps, references, per_count = (30, 200, 2) if smoke else (500, 10_000, 5)
+    steps, references, per_count, rounds = (2, 50, 1, 1) if smoke else (500, 10_000, 5, 2)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        base, adapter = pretrained_release(Path(tmp), 40 if smoke else 150)
+        base, adapter = pretrained_release(Path(tmp), 2 if smoke else 150)
         pool = [example_text(e) for e in heldout_examples(16, seed=4)]
         dp = LocalTrainingConfig(
             local_steps=steps // 2,
@@ -88,7 +93,7 @@ def record_level(smoke: bool) -> dict[str, object]:
         )
         control = dataclasses.replace(dp, dp_noise_multiplier=0.0, dp_max_grad_norm=1.0, lr=1.0)
         report = canary_exposure(
-            base, adapter, pool, dp, rounds=2, delta=1e-5, per_count=per_count, references=references,
+            base, adapter, pool, dp, rounds=rounds, delta=1e-5, per_count=per_count, references=references,
             control=control,
         )  # fmt: skip
         elapsed = time.perf_counter() - start

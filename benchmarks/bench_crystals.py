@@ -414,11 +414,11 @@ def run(smoke: bool = False) -> dict[str, object]:
     figures: dict[str, object] = {}
     if smoke:
         figures.update(quality(embedder, [0], sessions=3, per_session=8))
-        for n in (500,):
-            figures.update(latency(n, 20, rng))
+        for n in (200,):
+            figures.update(latency(n, 10, rng))
             figures.update(consolidation(n, rng))
-        figures.update(indexing_lag(embedder, 20))
-        big, small = 500, 500
+        figures.update(indexing_lag(embedder, 10))
+        big, small = 200, 200
     else:
         figures.update(quality(embedder, [0, 1, 2, 3, 4], sessions=10, per_session=20))
         for n in (10_000, 100_000):
@@ -426,10 +426,10 @@ def run(smoke: bool = False) -> dict[str, object]:
             figures.update(consolidation(n, rng))
         figures.update(indexing_lag(embedder, 200))
         big, small = 100_000, 10_000
-    t0 = time.perf_counter()
-    for _ in range(20):
+    t0, embeds = time.perf_counter(), 5 if smoke else 20
+    for _ in range(embeds):
         embedder.embed(["where does the user live now"])
-    figures["query_embedding_ms"] = (time.perf_counter() - t0) / 20 * 1000
+    figures["query_embedding_ms"] = (time.perf_counter() - t0) / embeds * 1000
     figures["total_s"] = time.perf_counter() - started
     ratios = {
         "hybrid_over_vector_recall_at_5_ratio": figures["hybrid_recall_at_5"]

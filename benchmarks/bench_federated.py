@@ -63,13 +63,15 @@ def per_round(records: list[dict[str, Any]]) -> float:
 
 def run(smoke: bool = False) -> dict[str, object]:
     warnings.filterwarnings("ignore")
-    population, cohort, rounds = (20, 3, 1) if smoke else (1_000, 20, 3)
+    # smoke: one contributor and the A.2 node, both sampled (q = 1: the accountant's closed form,
+    # none of its fractional-order series), on one Ray actor
+    population, cohort, rounds = (2, 2, 1) if smoke else (1_000, 20, 3)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         base, adapter, params = tiny_release(folder / "release")
         settings = settings_for(population, cohort, rounds)
         if smoke:  # seconds, not minutes: SecAgg+'s extra stages only in the full run
-            settings = dataclasses.replace(settings, secure_aggregation=False)
+            settings = dataclasses.replace(settings, secure_aggregation=False, simulation_cpus=1)
         plan = FederationPlan(base, adapter, "caste-preacher", "b" * 64, folder / "out", folder / "flower")
         flower: list[dict[str, Any]] = []
         draws = np.random.default_rng(SEED)  # both paths sample the same cohorts (and smoke's is never empty)
@@ -88,7 +90,7 @@ def run(smoke: bool = False) -> dict[str, object]:
         last = sampled[-1]
         sweep = (
             PrivacySweepConfig(
-                epsilons=[8.0, float("inf")], populations=[50], rounds=1, cohort=5, seeds=1, evaluate_every=0
+                epsilons=[8.0, float("inf")], populations=[2], rounds=1, cohort=2, seeds=1, evaluate_every=0
             )
             if smoke
             # one seed keeps make bench short; the README's table is pipelines.privacy_sweep's 3 seeds

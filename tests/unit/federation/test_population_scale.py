@@ -45,6 +45,7 @@ SETTINGS = FederatedConfig(
     entries_per_player=24,
     heldout_examples=8,
     exposure_canaries=0,  # the record-level canary audit has its own tests (tests/unit/privacy)
+    simulation_cpus=1,  # one Ray actor: the other test worker has the other core
 )
 
 
