@@ -4,9 +4,21 @@ fails before any work, with one clear line and no traceback."""
 from __future__ import annotations
 
 import sqlite3
+import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.pipelines import run_pipeline
+
+MissingCorpus = tuple[Path, subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="module")
+def missing_corpus(tmp_path_factory: pytest.TempPathFactory) -> MissingCorpus:
+    """(workdir, process) of one ``ingest`` pointed at a corpus folder that does not exist."""
+    workdir = tmp_path_factory.mktemp("missing_corpus")
+    return workdir, run_pipeline("ingest", workdir, f"corpus.source_dir={workdir}/none", check=False)
 
 
 def test_cli_mistake_fails_before_work_without_traceback(tmp_path: Path) -> None:
@@ -20,27 +32,28 @@ def test_cli_mistake_fails_before_work_without_traceback(tmp_path: Path) -> None
     assert not (tmp_path / "artifacts").exists() and not (tmp_path / "mlflow.db").exists()
 
 
-def test_cli_missing_corpus_is_one_clear_line(tmp_path: Path) -> None:
-    proc = run_pipeline("ingest", tmp_path, f"corpus.source_dir={tmp_path}/none", check=False)
+def test_cli_missing_corpus_is_one_clear_line(missing_corpus: MissingCorpus) -> None:
+    _, proc = missing_corpus
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: corpus folder") and "pipelines.fetch_corpus" in last
 
 
-def test_each_stage_has_its_own_job_name_help_and_log(tmp_path: Path) -> None:
-    proc = run_pipeline("ingest", tmp_path, "corpus.include=[plato_apology]")
+def test_each_stage_has_its_own_job_name_help_and_log(tmp_path: Path, missing_corpus: MissingCorpus) -> None:
+    # (no MLflow run: the job log is what is checked; tracking is tested with tiny_run)
+    proc = run_pipeline("ingest", tmp_path, "corpus.include=[plato_apology]", "tracking.enabled=false")
     (log,) = (tmp_path / "outputs" / "ingest").glob("*/ingest.log")
     summary = next(line for line in proc.stdout.splitlines() if line.startswith("corpus: "))
     assert summary in log.read_text()  # the log holds what the stage printed, not only logging
     assert "corpus literary:" in log.read_text()
     assert not (tmp_path / "outputs" / "entry").exists()
 
-    failed = run_pipeline("ingest", tmp_path, f"corpus.source_dir={tmp_path}/none", check=False)
+    failed_workdir, failed = missing_corpus  # a failed stage's log holds its error line too
     assert failed.returncode == 1
     assert any(
         "error: corpus folder" in p.read_text()
-        for p in (tmp_path / "outputs" / "ingest").glob("*/ingest.log")
+        for p in (failed_workdir / "outputs" / "ingest").glob("*/ingest.log")
     )
 
     helped = run_pipeline("build_base", tmp_path, "--help")

@@ -3,6 +3,7 @@ the gemma4_e4b preset's path (bf16 autocast, gradient checkpointing) on a tiny r
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,9 @@ SHORT = (
     "experiment=ci_tiny",
     "train.max_steps=20",
     "train.warmup_steps=2",
-    "train.eval_every=10",
+    "train.eval_every=20",  # scored before and after only
     "train.synthetic_share=0",  # the literary corpus alone (the mix is tested in test_base_mix.py)
+    "tracking.enabled=false",  # nothing here reads MLflow (tiny_run and test_resume.py do)
 )
 
 
@@ -27,13 +29,20 @@ def _published(workdir: Path) -> Path:
     return folder
 
 
+def _with_tiny_run_corpus(tiny_run: Path, workdir: Path) -> Path:
+    """``workdir`` holding tiny_run's ingested corpus (the same config: found, not ingested again)."""
+    shutil.copytree(tiny_run / "artifacts/corpus", workdir / "artifacts/corpus")
+    return workdir
+
+
 def test_continue_from_a_trained_base(tiny_run: Path, tmp_path: Path) -> None:
     source = _published(tiny_run)
     before = read_manifest(source)["lineage"]["metrics"]
+    work = _with_tiny_run_corpus(tiny_run, tmp_path / "work")
     run_pipeline(
-        "build_base", tmp_path, *SHORT, "train.lr=5e-4", "model=pretrained", f"model.name_or_path={source}"
+        "build_base", work, *SHORT, "train.lr=5e-4", "model=pretrained", f"model.name_or_path={source}"
     )
-    after = read_manifest(_published(tmp_path))["lineage"]["metrics"]
+    after = read_manifest(_published(work))["lineage"]["metrics"]
     # it starts from the trained weights (not random: untrained ppl is ~1000) and keeps learning
     assert after["initial_val_ppl"] == pytest.approx(before["final_val_ppl"], rel=0.05)
     assert after["final_val_ppl"] < after["initial_val_ppl"]
@@ -61,10 +70,16 @@ def test_gemma4_preset_trains_in_bf16_with_checkpointing(tiny_run: Path, tmp_pat
     checkpoint = tmp_path / "gemma4-tiny"
     AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)
+    work = _with_tiny_run_corpus(tiny_run, tmp_path / "work")
     run_pipeline(
-        "build_base", tmp_path / "work", *SHORT, "model=gemma4_e4b", f"model.name_or_path={checkpoint}"
+        "build_base",
+        work,
+        *SHORT,
+        "train.eval_batches=4",  # a stratified sample, the same blocks before and after (bf16 is slow)
+        "model=gemma4_e4b",
+        f"model.name_or_path={checkpoint}",
     )
-    folder = _published(tmp_path / "work")
+    folder = _published(work)
     metrics = read_manifest(folder)["lineage"]["metrics"]
     assert metrics["final_val_ppl"] < metrics["initial_val_ppl"]
     assert AutoModelForCausalLM.from_pretrained(folder).config.model_type == "gemma4_text"

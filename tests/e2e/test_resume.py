@@ -31,7 +31,8 @@ def _weights_sha(workdir: Path) -> str:
 
 def test_sigkill_then_resume_matches_uninterrupted(tiny_run: Path, tmp_path: Path) -> None:
     straight, killed = tiny_run, tmp_path / "killed"
-    shutil.copytree(tiny_run / "artifacts/synth", killed / "artifacts/synth")  # the base mixes it in
+    for corpus in ("corpus", "synth"):  # tiny_run's inputs, found by fingerprint (not built again)
+        shutil.copytree(tiny_run / "artifacts" / corpus, killed / "artifacts" / corpus)
 
     kill_when(
         "build_base",
