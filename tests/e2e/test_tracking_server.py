@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.helpers.mlflow_server import server_env
 from tests.helpers.pipelines import run_pipeline
 
 pytestmark = pytest.mark.slow
@@ -48,6 +49,7 @@ def server(tmp_path: Path) -> Iterator[str]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env=server_env(),
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600  # a hang guard: startup is slow on a loaded machine

@@ -24,6 +24,12 @@ START_HANG_GUARD_S = 600  # startup is slow on a loaded machine; this only catch
 CHROMIUM = ("chromium", "chromium-browser")
 
 
+def server_env() -> dict[str, str]:
+    """The environment of a test's ``mlflow server``: without MLflow's job runner, whose eight Huey
+    consumer processes each import MLflow (about 25 CPU-seconds) for jobs no test asks for."""
+    return {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 @contextmanager
 def mlflow_server(workdir: Path, log_file: Path) -> Iterator[str]:
     """Serve ``workdir``'s embedded store (the server's output goes to ``log_file``); yield the URL."""
@@ -36,9 +42,7 @@ def mlflow_server(workdir: Path, log_file: Path) -> Iterator[str]:
         "--default-artifact-root", str(workdir / "mlartifacts"), "--workers", "1",
     ]  # fmt: skip
     log = open(log_file, "w")  # noqa: SIM115 (closed below)
-    # without MLflow's job runner: its eight Huey consumer processes import MLflow for jobs no test asks for
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_HANG_GUARD_S
     try:
