@@ -27,37 +27,32 @@ from nimmer_train.federation.exposure_audit import canary_exposure
 from nimmer_train.federation.local_training import LocalTrainingConfig
 from nimmer_train.memory.synthetic import heldout_examples
 from nimmer_train.privacy.audit import audit_user_level
-from nimmer_train.privacy.dp_fedavg import Mechanism
+from nimmer_train.privacy.dp_fedavg import Mechanism, noise_multiplier_for
 from tests.helpers.tiny_lm import pretrained_release
 
 TARGETS = (1.0, 3.0, 8.0)
 
 
 def calibrated(
-    target: float, population: int, rate: float, rounds: int, delta: float, steps: int = 40
+    target: float, population: int, rate: float, rounds: int, delta: float, precision: float = 1e-9
 ) -> Mechanism:
-    """The mechanism whose accounted epsilon is ``target`` (``steps`` bisection steps on z, each an
-    RDP computation of about 0.1 s)."""
-    low, high = 0.05, 50.0
-    for _ in range(steps):
-        z = (low + high) / 2
-        eps = Mechanism(population, rate, z, 1.0, rounds, delta).epsilon()
-        low, high = (z, high) if eps is None or eps > target else (low, z)
-    return Mechanism(population, rate, high, 1.0, rounds, delta)
+    """The mechanism whose accounted epsilon is ``target`` (z to within ``precision``)."""
+    z = noise_multiplier_for(target, rate, rounds, delta, precision)
+    return Mechanism(population, rate, z, 1.0, rounds, delta)
 
 
 def user_level(smoke: bool) -> dict[str, object]:
     population, rate, rounds = (200, 0.05, 5) if smoke else (10_000, 0.01, 200)
     canaries, dim = (100, 200) if smoke else (2_000, 10_000)
     # smoke: one target, z to within 0.1 (the calibration is most of its seconds)
-    targets, steps = ((8.0,), 9) if smoke else (TARGETS, 40)
+    targets, precision = ((8.0,), 0.1) if smoke else (TARGETS, 1e-9)
     figures: dict[str, object] = {
         "user_population": population,
         "user_sample_rate": rate,
         "user_rounds": rounds,
     }
     figures.update({"user_canaries": canaries, "user_dim": dim, "user_delta": 1e-6})
-    mechanisms = {f"eps{t:g}": calibrated(t, population, rate, rounds, 1e-6, steps) for t in targets}
+    mechanisms = {f"eps{t:g}": calibrated(t, population, rate, rounds, 1e-6, precision) for t in targets}
     mechanisms["z0"] = Mechanism(population, rate, 0.0, 1.0, rounds, 1e-6)
     for name, mechanism in mechanisms.items():
         start = time.perf_counter()
