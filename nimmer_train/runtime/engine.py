@@ -330,11 +330,11 @@ class Engine:
         return out.logits[:, -1].float()
 
     def _prefill(self, job: Job) -> None:
-        from transformers import DynamicCache
+        from nimmer_train.runtime.kv_cache import growing_cache  # transformers: on first use
 
         n, length = job.n, len(job.prompt)
         self._select([job.adapter] * n)
-        cache = DynamicCache(config=self.inner.config)
+        cache = growing_cache(self.inner.config)
         start = self.prefixes.reuse(job.adapter, job.prompt, cache, n)
         ids = torch.tensor([job.prompt[start:]] * n, dtype=torch.long)
         mask = torch.ones(n, length, dtype=torch.long)

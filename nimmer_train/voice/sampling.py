@@ -159,9 +159,22 @@ def warp_rows(scores: Any, knobs: list[SamplingKnobs], generated: list[list[int]
     if bool((temperature != 1.0).any()):
         scores = _finite(scores / temperature[:, None])
     top_k = torch.tensor([min(k.top_k, vocab) if k.top_k > 0 else vocab for k in knobs])
+    if bool((top_k < vocab).all()):  # every row keeps at most top_k: the rest runs on those only
+        values, ids = scores.topk(int(top_k.max()), dim=-1)
+        values = values.masked_fill(values < values.gather(1, (top_k - 1)[:, None]), float("-inf"))
+        kept = _nucleus(values, knobs)
+        return torch.full_like(scores, float("-inf")).scatter_(1, ids, kept)
     if bool((top_k < vocab).any()):
         threshold = scores.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
         scores = scores.masked_fill(scores < threshold, float("-inf"))
+    return _nucleus(scores, knobs)
+
+
+def _nucleus(scores: Any, knobs: list[SamplingKnobs]) -> Any:
+    """Top-p then min-p, each row under its own knobs (``scores`` may be each row's top-k
+    candidates: a masked token's probability is zero either way)."""
+    import torch
+
     top_p = torch.tensor([k.top_p for k in knobs], dtype=scores.dtype)
     if bool((top_p < 1.0).any()):
         ordered, order = torch.sort(scores, descending=False)
@@ -189,8 +202,14 @@ def _finite(scores: Any) -> Any:
 
 def sample_rows(scores: Any, generators: list[Any]) -> list[int]:
     """One token per row of ``scores`` ``[B, V]``, row i drawn with its own ``generators[i]``
-    (a ``torch.Generator``): a seeded row draws the same token alone or inside any batch."""
+    (a ``torch.Generator``): a seeded row draws the same token alone or inside any batch.
+    Inverse-CDF draws, one uniform per row (``torch.multinomial`` took 0.12 ms per row on CPU,
+    a tenth of a batch-8 decode step); the draw never lands on a token of probability zero."""
     import torch
 
     probs = scores.softmax(dim=-1)
-    return [int(torch.multinomial(probs[i], 1, generator=g)) for i, g in enumerate(generators)]
+    cdf = probs.cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=g, dtype=cdf.dtype) for g in generators])
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)  # each row's last possible
+    return torch.minimum(picks, last).tolist()

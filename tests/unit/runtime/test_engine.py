@@ -5,6 +5,7 @@ batch, requests join a running batch between steps, and a cancelled row leaves a
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -34,12 +35,17 @@ KNOBS = [
 ]
 
 
-def test_per_row_knobs_equal_the_single_row_processors() -> None:
+# every row with a top_k: warp_rows then works on each row's top-k candidates only
+TOP_K_KNOBS = [dataclasses.replace(k, top_k=k.top_k or 60) for k in KNOBS]
+
+
+@pytest.mark.parametrize("knobs_of_rows", [KNOBS, TOP_K_KNOBS], ids=["some-top-k", "all-top-k"])
+def test_per_row_knobs_equal_the_single_row_processors(knobs_of_rows: list[SamplingKnobs]) -> None:
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(len(KNOBS), 300, generator=gen) * 3
     generated = [[5, 6, 6, 299], [], [1, 2, 3, 4, 5, 6, 7, 8], [250]]
-    batched = warp_rows(scores.clone(), KNOBS, generated)
-    for i, (knobs, ids) in enumerate(zip(KNOBS, generated, strict=True)):
+    batched = warp_rows(scores.clone(), knobs_of_rows, generated)
+    for i, (knobs, ids) in enumerate(zip(knobs_of_rows, generated, strict=True)):
         prompt = [9, 10, 11]  # never penalised
         one = knob_processors(knobs, len(prompt))(torch.tensor([prompt + ids]), scores[i : i + 1].clone())
         assert torch.equal(torch.isinf(batched[i]), torch.isinf(one[0])), i

@@ -1,0 +1,76 @@
+"""The engine's growing KV cache gives the logits transformers' own DynamicCache gives: prefill,
+decode steps past the buffer's room, rows selected out, and a cache assigned from outside."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from nimmer_train.runtime.kv_cache import ROOM, GrowingLayer, growing_cache
+
+
+def _model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def _decode(model: LlamaForCausalLM, cache: DynamicCache, steps: int, select_at: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 97, (3, 9), generator=gen)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[2, :4] = 0  # a left-padded row
+    out = [model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]]
+    for step in range(steps):
+        token = out[-1].argmax(-1, keepdim=True)
+        if step == select_at:  # a row leaves the batch, as the engine's sweep does
+            keep = torch.tensor([0, 2])
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, keep)
+                layer.values = layer.values.index_select(0, keep)
+            mask, token = mask.index_select(0, keep), token.index_select(0, keep)
+        positions = mask.sum(dim=1, keepdim=True)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        logits = model(
+            input_ids=token, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        ).logits[:, -1]
+        out.append(logits)
+    return out
+
+
+def test_growing_cache_decodes_as_dynamic_cache_does() -> None:
+    model = _model()
+    steps = ROOM + 20  # past the first buffer's room: it grows once
+    with torch.inference_mode():
+        want = _decode(model, DynamicCache(config=model.config), steps, select_at=30)
+        cache = growing_cache(model.config)
+        got = _decode(model, cache, steps, select_at=30)
+    assert all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+    assert cache.get_seq_length() == 9 + steps
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(a, b)
+    layer = cache.layers[0]
+    assert layer._k is not None and layer._k.shape[2] > layer.keys.shape[2]  # room to grow in place
+
+
+def test_a_layer_assigned_from_outside_keeps_what_it_was_given() -> None:
+    layer = GrowingLayer()
+    keys, values = torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)
+    layer.keys, layer.values = keys, values
+    layer.is_initialized = True
+    more = torch.randn(2, 2, 1, 4)
+    k, v = layer.update(more, more)
+    torch.testing.assert_close(k, torch.cat([keys, more], dim=2))
+    torch.testing.assert_close(v, torch.cat([values, more], dim=2))
+    keys[0, 0, 0, 0] = 99.0  # the layer holds its own copy
+    assert layer.keys[0, 0, 0, 0] != 99.0
+    layer.keys = layer.values = None
+    assert layer.keys is None and layer.values is None
