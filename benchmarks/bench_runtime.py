@@ -15,7 +15,9 @@ half of the batched turns streamed (deltas as they decode), the other half answe
 Figures: turns/s and tokens/s per concurrency (1, 2, 4, 8, 16), p50/p95 turn latency, time to
 first token (batched), the mean batch size. Steady state: both paths are warmed on every register
 first, and each level runs at least 6 turns per client (so the ramp up and the drain at the end,
-when fewer than ``c`` clients are left, weigh little). Both paths in-process (no HTTP), one run, so the
+when fewer than ``c`` clients are left, weigh little). On the real base (SmolLM2-135M) the table
+runs in float32 and, where the CPU multiplies bfloat16 natively (AMX or AVX512-BF16), again with
+both paths in bfloat16 (``EngineSettings.dtype``). Both paths in-process (no HTTP), one run, so the
 ratios share whatever load the machine has; the load average is reported beside them.
 
     python -m benchmarks.bench_runtime [--smoke]
@@ -40,16 +42,18 @@ GOAL = (
 )
 
 
-def _serial_path(releases: Path, trusted: Path) -> Any:
+def _serial_path(releases: Path, trusted: Path, dtype: str = "float32") -> Any:
     """The pre-engine LocalModel.generate, kept here as the baseline (one request at a time)."""
     import torch
 
     from nimmer_train.publish.signing import Keyring
     from nimmer_train.publish.versions import load_verified, open_version
+    from nimmer_train.runtime.local_model import serving_dtype
     from nimmer_train.voice.sampling import NEUTRAL_WARPERS, knob_processors
     from nimmer_train.voice.structured import SchemaMask, bounded, chars_per_token, end_of_turn_ids
 
     model, tokenizer = load_verified(open_version(releases, "v1", Keyring.load(trusted)))
+    model.to(serving_dtype(dtype, "cpu"))
     stop_ids, density, lock = end_of_turn_ids(tokenizer), chars_per_token(tokenizer), threading.Lock()
     n_vocab = int(model.config.vocab_size)
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
@@ -165,16 +169,18 @@ def _table(
     turns: int,
     n: int,
     per_client: int = 6,
+    dtype: str = "float32",
 ) -> dict[str, dict[str, Any]]:
     """Batched and serial figures per concurrency level on version v1 of ``releases``: at least
     ``turns`` turns per level and ``per_client`` per client, so that the ramp up and the drain at
     the end (fewer clients than ``c`` left) weigh little. Both paths are warmed first on every
-    register with and without the schema (grammars, each prompt's cached prefix, kernels)."""
+    register with and without the schema (grammars, each prompt's cached prefix, kernels). Both
+    paths hold the weights in ``dtype``."""
     from nimmer_train.runtime.engine import Delta, Done, Failed
-    from nimmer_train.runtime.local_model import LocalModel
+    from nimmer_train.runtime.local_model import EngineSettings, LocalModel
 
-    serial = _serial_path(releases, trusted)
-    model = LocalModel.open(releases, "v1", trusted)
+    serial = _serial_path(releases, trusted, dtype)
+    model = LocalModel.open(releases, "v1", trusted, settings=EngineSettings(dtype=dtype))
     work = _workload(list(registers), n, max(turns, 2 * len(registers)))
     sizes = model.engine.metrics.batch_size
 
@@ -243,6 +249,7 @@ def run(smoke: bool = False) -> dict[str, object]:
     import torch
 
     from nimmer_train.config import ModelConfig
+    from nimmer_train.runtime.local_model import native_bf16
     from tests.helpers.published import REGISTERS, publish_registers
 
     per_client = 2 if smoke else 6
@@ -274,6 +281,11 @@ def run(smoke: bool = False) -> dict[str, object]:
                 releases, trusted = publish_registers(Path(tmp) / "real", registers, pretrained=base)
                 real_table = _table(releases, trusted, registers, (1, 8), 16, 32)
                 real = {**_ratios(real_table, "c8", "smollm2_"), "by_concurrency": real_table}
+                if native_bf16("cpu"):  # the same in bfloat16 (AMX or AVX512-BF16 here)
+                    bf16 = _table(releases, trusted, registers, (1, 8), 16, 32, dtype="bfloat16")
+                    real |= {**_ratios(bf16, "c8", "smollm2_bf16_"), "bfloat16_by_concurrency": bf16}
+                else:
+                    real["bfloat16_by_concurrency"] = "skipped: this CPU has no native bfloat16 matmul"
     return {
         **_ratios(table, top),
         **{k: v for k, v in real.items() if k.endswith("_ratio")},

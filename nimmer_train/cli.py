@@ -8,7 +8,7 @@ nimmer versions pull URL_OR_PATH [--alias production | --no-alias] [--allow-down
 nimmer keys generate PRIVATE_KEY [--trust DIR]
 nimmer keys trust PUBLIC_KEY DIR
 nimmer serve [--releases DIR] [--version production] [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
-             [--reload-s 5]
+             [--reload-s 5] [--dtype float32|bfloat16|auto]
 nimmer consent show PLAYER_DIR | set TIER PLAYER_DIR | revoke PLAYER_DIR | exclude CATEGORY PLAYER_DIR
 nimmer llm-config show PLAYER_DIR | set PLAYER_DIR --player-id ID [--casual-ring R ...] [--key-stdin TIER]
 nimmer contribute PLAYER_DIR --superlink HOST:PORT --root-certificates CA [--releases DIR] [--version V]
@@ -193,20 +193,25 @@ def serve_api_key(host: str, api_key_env: str | None) -> str | None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from nimmer_train.runtime.local_model import LocalModel
+    from nimmer_train.runtime.local_model import EngineSettings, LocalModel
     from nimmer_train.runtime.openai_server import Reload, create_app, model_ids
 
     api_key = serve_api_key(args.host, args.api_key_env)
+    settings = EngineSettings(dtype=args.dtype)
     trusted = args.trusted_keys or args.releases.parent / "keys" / "trusted"
     auth = " (bearer token required)" if api_key else ""
 
     def load() -> LocalModel:  # in a thread once the port is open: /health says 503 meanwhile
-        model = LocalModel.open(args.releases, args.version, trusted)
+        model = LocalModel.open(args.releases, args.version, trusted, settings=settings)
         print(f"serving {', '.join(model_ids(model))} on http://{args.host}:{args.port}/v1{auth}", flush=True)
         return model
 
     # follow the alias: a version promoted (or pulled) while serving is swapped in, turns kept
-    reload = Reload.alias(args.releases, args.version, trusted, args.reload_s) if args.reload_s > 0 else None
+    reload = (
+        Reload.alias(args.releases, args.version, trusted, args.reload_s, settings)
+        if args.reload_s > 0
+        else None
+    )
     app = create_app(load, api_key=api_key, adapter_updates=args.allow_adapter_updates, reload=reload)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -372,6 +377,13 @@ def _add_serve(groups: Any) -> None:
         default=5.0,
         help="resolve --version again every this many seconds and swap in the version it names "
         "now, finishing turns in flight on the old one (0: never; default 5)",
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "auto"),
+        default="float32",
+        help="the weights' dtype while serving (auto: bfloat16 where the CPU has AMX or AVX512-BF16, "
+        "or on a CUDA GPU with bfloat16; a seeded request may then differ alone and in a batch)",
     )
 
 

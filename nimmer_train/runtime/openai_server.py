@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from nimmer_train.errors import NimmerError
 from nimmer_train.runtime.engine import AdapterGone, Delta, Done, EngineClosed, Failed, Job, QueueFull
-from nimmer_train.runtime.local_model import AdapterBusy, LocalModel
+from nimmer_train.runtime.local_model import AdapterBusy, EngineSettings, LocalModel
 from nimmer_train.runtime.request_limits import (
     ChatRequest,
     RequestError,
@@ -179,8 +179,16 @@ class Reload:
     drain_s: float = 600.0  # an old model waits this long for its last turn before it closes
 
     @classmethod
-    def alias(cls, releases: Path, name: str, trusted_keys: Path, interval_s: float = 5.0) -> Reload:
-        """Follow ``name`` (an alias, or a fixed label) in the registry of ``releases``."""
+    def alias(
+        cls,
+        releases: Path,
+        name: str,
+        trusted_keys: Path,
+        interval_s: float = 5.0,
+        settings: EngineSettings | None = None,
+    ) -> Reload:
+        """Follow ``name`` (an alias, or a fixed label) in the registry of ``releases``; each
+        version is served with ``settings``."""
         from nimmer_train.publish.registry import Registry
 
         def resolve() -> str:
@@ -190,7 +198,11 @@ class Reload:
             finally:
                 registry.close()
 
-        return cls(resolve, lambda label: LocalModel.open(releases, label, trusted_keys), interval_s)
+        return cls(
+            resolve,
+            lambda label: LocalModel.open(releases, label, trusted_keys, settings=settings),
+            interval_s,
+        )
 
 
 def create_app(

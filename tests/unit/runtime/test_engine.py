@@ -10,13 +10,16 @@ import queue
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from jsonschema import validate
 
+from nimmer_train import cli
+from nimmer_train.errors import NimmerError
 from nimmer_train.runtime.engine import Delta, Done, Event, Failed, Job, _safe_end
-from nimmer_train.runtime.local_model import EngineSettings, LocalModel
+from nimmer_train.runtime.local_model import EngineSettings, LocalModel, native_bf16, serving_dtype
 from nimmer_train.runtime.rings import RingA
 from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, AffectState, MemoryScope, TurnPrompt
 from nimmer_train.voice.registers import load_catalogue
@@ -255,3 +258,34 @@ def test_a_cached_prompt_prefix_changes_nothing(model: LocalModel) -> None:
     again = model.prepare(other, model.registers[2], KNOBS[3], SCHEMA, seed=103, sink=q3.put)
     (fresh,) = _collect(model, [again], [q3])
     assert _texts(events) == _texts(fresh)  # the reused prefix equals a full prefill
+
+
+def test_a_bfloat16_engine_serves_mixed_batches_close_to_float32(
+    published: tuple[Path, Path], model: LocalModel
+) -> None:
+    releases, trusted = published
+    with pytest.raises(NimmerError, match="float32, bfloat16, auto"):
+        LocalModel.open(releases, "v1", trusted, settings=EngineSettings(dtype="float16"))
+    assert cli._parser().parse_args(["serve", "--dtype", "bfloat16"]).dtype == "bfloat16"  # the CLI flag
+    auto = serving_dtype("auto", "cpu")
+    assert auto == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
+    half = LocalModel.open(releases, "v1", trusted, settings=EngineSettings(dtype="bfloat16", window_s=0.05))
+    try:
+        assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
+        assert half.engine.lora is not None
+        assert all(layer.stacked_a.dtype == torch.bfloat16 for layer in half.engine.lora.layers)
+        ids = torch.tensor([model.prompt_ids(MESSAGES)])
+
+        def last_logits(engine: Any) -> torch.Tensor:  # on the decode thread, between its steps
+            engine.lora.select(["caste-preacher", None])  # a LoRA row and a bare row in one forward
+            return engine.inner(input_ids=ids.expand(2, -1)).logits[:, -1].float()
+
+        want = model.engine.call(lambda: last_logits(model.engine)).result()
+        got = half.engine.call(lambda: last_logits(half.engine)).result()
+        # bfloat16 rounding moves a logit by ~0.01 here; dropping the LoRA would move it by ~1
+        assert (want[0] - want[1]).abs().max() > 0.5 and (want - got).abs().max() < 0.1
+        pairs = [_job(half, i) for i in range(4)]
+        for events in _collect(half, [j for j, _ in pairs], [q for _, q in pairs]):
+            assert isinstance(events[-1], Done)
+    finally:
+        half.close()
