@@ -319,13 +319,16 @@ class Engine:
             raise NimmerError("this model has no LoRA adapters loaded")
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+        """The logits of each row's last position. The last position is gathered by index (a fresh
+        tensor), not sliced: torch's bfloat16 linear took 190 ms for the output layer on a sliced
+        ``[1, 1, hidden]`` view of a prefill (11 ms on a fresh one; SmolLM2's 49k-token vocabulary)."""
         out = self.inner(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
             cache=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=torch.tensor([ids.shape[1] - 1]),
         )
         return out.logits[:, -1].float()
 
