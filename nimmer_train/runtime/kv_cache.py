@@ -19,42 +19,43 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 ROOM = 64  # positions of room a buffer is given past what it holds
 
 
-def _with_room(x: torch.Tensor | None) -> torch.Tensor | None:
-    """A buffer holding ``x`` ``[batch, heads, length, dim]`` in its first ``length`` positions
-    (None for no tensor or an empty one)."""
-    if x is None or x.dim() != 4 or x.numel() == 0:
-        return None
+def _with_room(x: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """A buffer holding ``x`` ``[batch, heads, length, dim]`` in its first ``length`` positions,
+    and ``length`` (None, 0 for no tensor: transformers' lazy initialisation sets an empty 1-D one)."""
+    if x is None or x.dim() != 4:
+        return None, 0
     batch, heads, length, dim = x.shape
     buffer = x.new_empty(batch, heads, length + ROOM, dim)
     buffer[:, :, :length].copy_(x)
-    return buffer
+    return buffer, length
 
 
 class GrowingLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose ``keys`` and ``values`` are views of buffers with room to grow."""
+    """A ``DynamicLayer`` whose ``keys`` and ``values`` are views of buffers with room to grow.
+    Keys and values keep their own lengths: callers assign one and then compute the other from
+    its old value (the engine's sweep and merge, ``crop``)."""
 
     def __init__(self, **kwargs: Any) -> None:
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
-        self._n = 0
+        self._nk = self._nv = 0
         super().__init__(**kwargs)
 
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        return None if self._k is None else self._k[:, :, : self._n]
+        return None if self._k is None else self._k[:, :, : self._nk]
 
     @keys.setter
     def keys(self, x: torch.Tensor | None) -> None:
-        self._k = _with_room(x)
-        self._n = 0 if self._k is None else x.shape[2]  # type: ignore[union-attr]
+        self._k, self._nk = _with_room(x)
 
     @property
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
-        return None if self._v is None else self._v[:, :, : self._n]
+        return None if self._v is None else self._v[:, :, : self._nv]
 
     @values.setter
-    def values(self, x: torch.Tensor | None) -> None:  # assigned with keys: the same length
-        self._v = _with_room(x)
+    def values(self, x: torch.Tensor | None) -> None:
+        self._v, self._nv = _with_room(x)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -63,15 +64,17 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         if self._k is None or self._v is None:
             self.keys, self.values = key_states, value_states
-        else:
-            n, add = self._n, key_states.shape[2]
-            if n + add > self._k.shape[2] or key_states.shape[0] != self._k.shape[0]:
-                self.keys = torch.cat([self.keys, key_states], dim=2)  # type: ignore[list-item]
-                self.values = torch.cat([self.values, value_states], dim=2)  # type: ignore[list-item]
-            else:
-                self._k[:, :, n : n + add].copy_(key_states)
-                self._v[:, :, n : n + add].copy_(value_states)
-                self._n = n + add
+            return self.keys, self.values  # type: ignore[return-value]
+        n, add = self._nk, key_states.shape[2]
+        fits = n + add <= min(self._k.shape[2], self._v.shape[2]) and self._nv == n
+        if fits and key_states.shape[0] == self._k.shape[0]:
+            self._k[:, :, n : n + add].copy_(key_states)
+            self._v[:, :, n : n + add].copy_(value_states)
+            self._nk = self._nv = n + add
+        else:  # out of room: a new buffer (both computed before either is assigned)
+            keys = torch.cat([self.keys, key_states], dim=2)  # type: ignore[list-item]
+            values = torch.cat([self.values, value_states], dim=2)  # type: ignore[list-item]
+            self.keys, self.values = keys, values
         return self.keys, self.values  # type: ignore[return-value]
 
 

@@ -25,10 +25,18 @@ def _model() -> LlamaForCausalLM:
 
 def _decode(model: LlamaForCausalLM, cache: DynamicCache, steps: int, select_at: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 97, (3, 9), generator=gen)
+    ids = torch.randint(0, 97, (3, 9 + ROOM + 7), generator=gen)
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[2, :4] = 0  # a left-padded row
-    out = [model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]]
+    out = [model(input_ids=ids[:, :9], attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]]
+    # then more of the prompt than the buffer has room for, in one forward (a cached prefix's rest)
+    mask = torch.cat([mask, mask.new_ones(3, ROOM + 7)], dim=1)
+    positions = (mask.cumsum(dim=1) - 1)[:, 9:]
+    out.append(
+        model(
+            input_ids=ids[:, 9:], attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        ).logits[:, -1]
+    )
     for step in range(steps):
         token = out[-1].argmax(-1, keepdim=True)
         if step == select_at:  # a row leaves the batch, as the engine's sweep does
@@ -53,8 +61,9 @@ def test_growing_cache_decodes_as_dynamic_cache_does() -> None:
         want = _decode(model, DynamicCache(config=model.config), steps, select_at=30)
         cache = growing_cache(model.config)
         got = _decode(model, cache, steps, select_at=30)
+        assert all(isinstance(layer, GrowingLayer) for layer in cache.layers)
     assert all(isinstance(layer, GrowingLayer) for layer in cache.layers)
-    assert cache.get_seq_length() == 9 + steps
+    assert cache.get_seq_length() == 9 + ROOM + 7 + steps
     for a, b in zip(want, got, strict=True):
         torch.testing.assert_close(a, b)
     layer = cache.layers[0]
@@ -74,3 +83,22 @@ def test_a_layer_assigned_from_outside_keeps_what_it_was_given() -> None:
     assert layer.keys[0, 0, 0, 0] != 99.0
     layer.keys = layer.values = None
     assert layer.keys is None and layer.values is None
+
+
+def test_keys_and_values_assigned_one_after_the_other_keep_their_own_lengths() -> None:
+    # the engine's sweep trims padding and its merge widens the batch: keys first, then values
+    # computed from the values as they were
+    layer = GrowingLayer()
+    keys, values = torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)
+    layer.keys, layer.values = keys, values
+    layer.is_initialized = True
+    layer.keys = layer.keys[:, :, 2:]
+    layer.values = layer.values[:, :, 2:]
+    torch.testing.assert_close(layer.values, values[:, :, 2:])
+    wider = torch.randn(2, 2, ROOM + 9, 4)
+    layer.keys = torch.cat([layer.keys, wider], dim=2)
+    layer.values = torch.cat([layer.values, wider], dim=2)
+    torch.testing.assert_close(layer.keys, torch.cat([keys[:, :, 2:], wider], dim=2))
+    torch.testing.assert_close(layer.values, torch.cat([values[:, :, 2:], wider], dim=2))
+    layer.keys, layer.values = layer.keys[:, :, 99:], layer.values[:, :, 99:]  # nothing left
+    assert layer.keys.shape[2] == layer.values.shape[2] == 0 and layer.get_seq_length() == 0
