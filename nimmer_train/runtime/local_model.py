@@ -63,7 +63,7 @@ def native_bf16(device: str) -> bool:
 def serving_dtype(name: str, device: str) -> Any:
     """The torch dtype ``EngineSettings.dtype`` names on ``device``. Weights are published in
     float32; bfloat16 halves what a decode step reads and, with AMX, makes a batch of 8 cost
-    about what one row costs (SmolLM2-135M here: 91-108 ms against 76-99 ms; float32 140-154 ms
+    about what one row costs (bare SmolLM2-135M here: 91-108 ms against 76-99 ms; float32 140-154 ms
     against 82-86 ms). A seeded row may then draw differently alone and in a batch (bfloat16
     rounds the batch's different matmul blocking visibly), so float32 stays the default."""
     import torch
