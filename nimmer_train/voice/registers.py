@@ -25,6 +25,7 @@ class VarietyLevel:
     top_k: int = MISSING
     repetition_penalty: float = MISSING
     min_p: float = MISSING
+    no_repeat_ngram_size: int = 0  # no n-gram of the reply's own tokens twice (0: off)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Sampling knobs for one turn: temperature, top-p, top-k, repetition penalty, min-p."""
+"""Sampling knobs for one turn: temperature, top-p, top-k, repetition penalty, min-p, and the
+no-repeat n-gram guard."""
 
 from __future__ import annotations
 
@@ -19,9 +20,16 @@ class SamplingKnobs:
     repetition_penalty: float
     min_p: float
     max_new_tokens: int = 160
+    # no n-gram of this many of the reply's own tokens twice (0: off): at a register's low
+    # temperature a real base otherwise loops ("The gate is closed. The gate is closed. ...")
+    no_repeat_ngram_size: int = 0
 
     def as_dict(self) -> dict[str, float | int]:
-        return asdict(self)
+        """The knobs (``no_repeat_ngram_size`` only when on: OpenAI's API has no such field)."""
+        out = asdict(self)
+        if not self.no_repeat_ngram_size:
+            del out["no_repeat_ngram_size"]
+        return out
 
     def generate_kwargs(self) -> dict[str, bool | float | int]:
         """The knobs as transformers ``generate`` keyword arguments, sampling on. In-process
@@ -35,11 +43,13 @@ class SamplingKnobs:
             "top_k": self.top_k,
             "repetition_penalty": self.repetition_penalty,
             "min_p": self.min_p,
+            **({"no_repeat_ngram_size": self.no_repeat_ngram_size} if self.no_repeat_ngram_size else {}),
         }
 
 
 def baseline(catalogue: RegistersConfig, register: str) -> SamplingKnobs:
-    """A register's baseline from the design's scene-to-sampling table."""
+    """A register's baseline from the design's scene-to-sampling table (what the teacher is asked
+    with, and what the replay set and the teacher cache are keyed on: no n-gram guard)."""
     reg = catalogue.get(register)
     level = catalogue.variety[reg.sampling.variety]
     return SamplingKnobs(
@@ -68,7 +78,8 @@ def for_turn(
 ) -> SamplingKnobs:
     """The knobs for one turn: the register's row of the scene table, shifted by how far this
     NPC's trait vector sits from the register's profile, then modulated by affect (arousal heats
-    and widens, up to +-20% temperature; distress (negative valence) discourages repetition)."""
+    and widens, up to +-20% temperature; distress (negative valence) discourages repetition),
+    with the register's variety level's no-repeat n-gram guard."""
     knobs = baseline(catalogue, register)
     temperature, top_p = knobs.temperature, knobs.top_p
     if traits:
@@ -84,6 +95,7 @@ def for_turn(
         repetition_penalty=round(knobs.repetition_penalty + 0.05 * max(0.0, -valence), 4),
         min_p=knobs.min_p,
         max_new_tokens=knobs.max_new_tokens,
+        no_repeat_ngram_size=catalogue.variety[catalogue.get(register).sampling.variety].no_repeat_ngram_size,
     )
 
 
@@ -98,14 +110,52 @@ NEUTRAL_WARPERS: dict[str, bool | float | int] = {  # override a checkpoint's ge
 }
 
 
+def repeated_ngram_bans(generated: list[int], n: int) -> set[int]:
+    """The tokens that would complete an ``n``-gram already in ``generated`` (HF's
+    ``no_repeat_ngram_size``, over the reply's own tokens only)."""
+    if n <= 0 or len(generated) + 1 < n:
+        return set()
+    prefix = generated[len(generated) - n + 1 :] if n > 1 else []
+    return {generated[i + n - 1] for i in range(len(generated) - n + 1) if generated[i : i + n - 1] == prefix}
+
+
+def _ban(scores: Any, bans: list[set[int]]) -> Any:
+    """``scores`` with row i's ``bans[i]`` at -inf, except in a row they would leave with no token
+    at all (a grammar that allows only a banned token: the grammar wins, never an empty row)."""
+    import torch
+
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    for i, banned in enumerate(bans):
+        if banned:
+            mask[i, list(banned)] = True
+    banned_scores = scores.masked_fill(mask, float("-inf"))
+    alive = torch.isfinite(banned_scores).any(dim=-1, keepdim=True)
+    return torch.where(alive, banned_scores, scores)
+
+
+def _reply_ngram_processor(n: int, prompt_len: int) -> Any:
+    from transformers import LogitsProcessor
+
+    class NoRepeatReplyNGram(LogitsProcessor):
+        """HF's no-repeat n-gram over the generated tokens only (never the prompt's)."""
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            generated = input_ids[:, prompt_len:].tolist()
+            return _ban(scores, [repeated_ngram_bans(row, n) for row in generated])
+
+    return NoRepeatReplyNGram()
+
+
 def knob_processors(knobs: SamplingKnobs, prompt_len: int) -> LogitsProcessorList:
     """The knobs as HF logits processors in vLLM's order (repetition penalty, temperature, top-k,
-    top-p, min-p), for every in-process decoder (the runtime, the LoRA evaluation's samples, the
-    hf_local teacher); pass them as ``logits_processor`` beside :data:`NEUTRAL_WARPERS`.
+    top-p, min-p), the no-repeat n-gram guard first, for every in-process decoder (the runtime,
+    the LoRA evaluation's samples, the hf_local teacher); pass them as ``logits_processor``
+    beside :data:`NEUTRAL_WARPERS`.
 
-    The repetition penalty counts only the generated tokens: the first ``prompt_len`` positions
-    (the prompt, with the memory items and scene words an NPC should repeat) are never penalised.
-    HF's ``generate`` and vLLM both count the prompt; a Ring B served by vLLM differs here."""
+    The repetition penalty and the n-gram guard count only the generated tokens: the first
+    ``prompt_len`` positions (the prompt, with the memory items and scene words an NPC should
+    repeat) are never penalised. HF's ``generate`` and vLLM both count the prompt; a Ring B
+    served by vLLM differs here (and has no n-gram guard)."""
     from transformers import (
         LogitsProcessorList,
         MinPLogitsWarper,
@@ -116,6 +166,8 @@ def knob_processors(knobs: SamplingKnobs, prompt_len: int) -> LogitsProcessorLis
     )
 
     processors: list[Any] = []
+    if knobs.no_repeat_ngram_size > 0:
+        processors.append(_reply_ngram_processor(int(knobs.no_repeat_ngram_size), prompt_len))
     if knobs.repetition_penalty != 1.0:
         penalty = float(knobs.repetition_penalty)
         processors.append(RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=prompt_len))
@@ -132,11 +184,15 @@ def knob_processors(knobs: SamplingKnobs, prompt_len: int) -> LogitsProcessorLis
 def warp_rows(scores: Any, knobs: list[SamplingKnobs], generated: list[list[int]]) -> Any:
     """:func:`knob_processors` for a batch in which every row has its own knobs: ``scores``
     ``[B, V]`` (row i under ``knobs[i]``) processed in the same order and with the same results,
-    the repetition penalty over ``generated[i]`` only (the row's own generated tokens: never the
-    prompt, never another row's padding). Rows whose knobs are neutral come back unchanged."""
+    the n-gram guard and the repetition penalty over ``generated[i]`` only (the row's own
+    generated tokens: never the prompt, never another row's padding). Rows whose knobs are
+    neutral come back unchanged."""
     import torch
 
     rows, vocab = scores.shape
+    bans = [repeated_ngram_bans(ids, k.no_repeat_ngram_size) for k, ids in zip(knobs, generated, strict=True)]
+    if any(bans):
+        scores = _ban(scores, bans)
     penalty = torch.tensor([k.repetition_penalty for k in knobs], dtype=scores.dtype)
     if bool((penalty != 1.0).any()) and any(generated):
         width = max(map(len, generated)) or 1

@@ -192,7 +192,7 @@ def test_a_version_says_its_epsilon_bounds_nothing_wherever_it_is_shown(tmp_path
     del privacy["caveats"]
     (tmp_path / MANIFEST).write_text(json.dumps(manifest))
     assert listing.privacy_report(tmp_path)["caveats"] == {"epsilon_a1_user_level": said}
-    # the demo's epsilon (~5.57) bounds something: no caveat anywhere
+    # the demo's epsilon (~5.17) bounds something: no caveat anywhere
     demo = _federation_block(config("experiment=demo").federated)
     assert demo["caveats"] == {} and demo["epsilon_a1_user_level"] < 10
     shown = _version_manifest(tmp_path, demo)

@@ -42,11 +42,24 @@ KNOBS = [
 TOP_K_KNOBS = [dataclasses.replace(k, top_k=k.top_k or 60) for k in KNOBS]
 
 
-@pytest.mark.parametrize("knobs_of_rows", [KNOBS, TOP_K_KNOBS], ids=["some-top-k", "all-top-k"])
-def test_per_row_knobs_equal_the_single_row_processors(knobs_of_rows: list[SamplingKnobs]) -> None:
+# the no-repeat n-gram guard on some rows (n = 2, 3, off, 1), over replies that repeat themselves
+NGRAM_KNOBS = [
+    dataclasses.replace(k, no_repeat_ngram_size=n) for k, n in zip(KNOBS, (2, 3, 0, 1), strict=True)
+]
+REPLIES = [[5, 6, 6, 299], [], [1, 2, 3, 4, 5, 6, 7, 8], [250]]
+LOOPING = [[5, 6, 7, 5, 6, 9, 6], [7, 8, 9, 7, 8], [1, 2, 1, 2, 1], [250, 3, 250]]
+
+
+@pytest.mark.parametrize(
+    ("knobs_of_rows", "generated"),
+    [(KNOBS, REPLIES), (TOP_K_KNOBS, REPLIES), (NGRAM_KNOBS, LOOPING)],
+    ids=["some-top-k", "all-top-k", "no-repeat-ngram"],
+)
+def test_per_row_knobs_equal_the_single_row_processors(
+    knobs_of_rows: list[SamplingKnobs], generated: list[list[int]]
+) -> None:
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(len(KNOBS), 300, generator=gen) * 3
-    generated = [[5, 6, 6, 299], [], [1, 2, 3, 4, 5, 6, 7, 8], [250]]
     batched = warp_rows(scores.clone(), knobs_of_rows, generated)
     for i, (knobs, ids) in enumerate(zip(knobs_of_rows, generated, strict=True)):
         prompt = [9, 10, 11]  # never penalised

@@ -188,7 +188,14 @@ def test_openai_client_against_nimmer_serve(tiny_model: LocalModel) -> None:
         {"role": "system", "content": '{"role":"a caste-preacher"}'},
         {"role": "user", "content": "Speak."},
     ]
-    knobs = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "min_p": 0.02, "repetition_penalty": 1.1}
+    knobs = {
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "top_k": 40,
+        "min_p": 0.02,
+        "repetition_penalty": 1.1,
+        "no_repeat_ngram_size": 2,  # an extension: it must reach the engine as in-process
+    }
     with serve_app(create_app(tiny_model)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         ids = [m.id for m in client.models.list()]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from nimmer_train.voice.registers import load_catalogue
 from nimmer_train.voice.sampling import baseline, for_turn
 
@@ -11,7 +13,8 @@ CATALOGUE = load_catalogue()
 def test_knobs_follow_the_scene_table_traits_and_affect() -> None:
     for name in CATALOGUE.names:  # the register's own profile at neutral affect: the design's row
         table = baseline(CATALOGUE, name)
-        assert for_turn(CATALOGUE, name, CATALOGUE.get(name).traits) == table
+        turn = for_turn(CATALOGUE, name, CATALOGUE.get(name).traits)
+        assert turn == dataclasses.replace(table, no_repeat_ngram_size=4)  # the runtime's guard
     assert (
         baseline(CATALOGUE, "drunk-scavenger").temperature,
         baseline(CATALOGUE, "caste-preacher").top_p,
@@ -50,3 +53,39 @@ def test_sample_rows_draws_each_rows_distribution_and_never_a_masked_token() -> 
     assert alone[0] == paired[0]
     edge = sample_rows(torch.tensor([[0.0, float("-inf")]]), [torch.Generator().manual_seed(0)])
     assert edge == [0]
+
+
+def test_the_ngram_guard_bans_what_hf_bans_on_the_reply_and_never_empties_a_row() -> None:
+    """repeated_ngram_bans is HF's NoRepeatNGramLogitsProcessor over the reply's own tokens (the
+    prompt never counts), and a ban that would leave a row nothing (a grammar allowing only the
+    banned token) is not applied: the grammar wins, the row never dies."""
+    import random
+
+    import torch
+    from transformers import NoRepeatNGramLogitsProcessor
+
+    from nimmer_train.voice.sampling import SamplingKnobs, knob_processors, repeated_ngram_bans, warp_rows
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n, reply = rng.randint(1, 5), [rng.randint(0, 6) for _ in range(rng.randint(0, 30))]
+        scores = torch.zeros(1, 8)
+        hf = NoRepeatNGramLogitsProcessor(n)(torch.tensor([reply], dtype=torch.long), scores.clone())
+        assert repeated_ngram_bans(reply, n) == set(torch.isinf(hf[0]).nonzero().flatten().tolist())
+    # a prompt with the same 2-gram bans nothing; the reply's own does
+    knobs = SamplingKnobs(1.0, 1.0, 0, 1.0, 0.0, no_repeat_ngram_size=2)
+    out = knob_processors(knobs, 3)(torch.tensor([[4, 5, 4, 7]]), torch.zeros(1, 8))
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == []
+    out = knob_processors(knobs, 1)(torch.tensor([[9, 4, 5, 4]]), torch.zeros(1, 10))
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == [5]
+    # "The gate is closed. The gate is" at n = 4: " closed" is banned; alone under a grammar, it stays
+    loop = [11, 12, 13, 14, 15, 11, 12, 13]
+    assert repeated_ngram_bans(loop, 4) == {14}
+    only = torch.full((2, 20), float("-inf"))
+    only[0, 14] = 0.0  # a grammar that allows " closed" only
+    only[1, [14, 3]] = 0.0  # or " closed" and another token
+    guarded = warp_rows(
+        only, [knobs.__class__(1.0, 1.0, 0, 1.0, 0.0, no_repeat_ngram_size=4)] * 2, [loop, loop]
+    )
+    assert torch.isfinite(guarded[0]).nonzero().flatten().tolist() == [14]
+    assert torch.isfinite(guarded[1]).nonzero().flatten().tolist() == [3]
