@@ -38,7 +38,7 @@ def test_ring_b_speaks_to_a_vllm_farm_by_model_id() -> None:
         sent = farm.requests[-1]
         assert sent["model"] == f"{LABEL}:drunk-scavenger" and turn.adapter == "drunk-scavenger"
         assert {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"} <= set(sent)
-        assert sent["no_repeat_ngram_size"] == 4  # the guard, by HF's name (vLLM logs and ignores it)
+        assert sent["no_repeat_ngram_size"] == 6  # the guard, by HF's name (vLLM logs and ignores it)
         assert sent["response_format"]["json_schema"]["schema"] == TURN_SCHEMA
         turn = runtime.speak(_request("hivemind-broadcast"))
         assert farm.requests[-1]["model"] == LABEL and turn.adapter is None  # the base carries it
