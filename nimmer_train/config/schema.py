@@ -303,6 +303,10 @@ class RebaseConfig:
     min_gain: float = 0.0  # bare-base loss minus own-adapter loss must be at least this
     min_margin: float = 0.0  # best rival adapter's loss minus own must be at least this
     retrain: bool = True  # false: a LoRA that does not fit is refused, never retrained
+    # true: when the new weights merge a register's adapter, no inherited LoRA fits (the merged
+    # voice pulls the others toward it, which the loss rule does not see: real_small's v2 kept four
+    # LoRAs by the rule at register accuracy 0.57; retrained, 0.72)
+    retrain_after_merge: bool = False
     major: bool | None = None  # null: a major release when the architecture or tokenizer changed
     eval_max_examples: int = 16  # held-out conversations per register in the matrix
 

@@ -403,7 +403,8 @@ def carry(
     change = architecture_change(previous.folder, weights)  # previous.folder: verified above
     major = settings.major if settings.major is not None else change is not None
     bump = "major" if major else "minor"
-    rule = {k: getattr(settings, k) for k in ("min_gain", "min_margin", "retrain", "eval_max_examples")}
+    keys = ("min_gain", "min_margin", "retrain", "retrain_after_merge", "eval_max_examples")
+    rule = {k: getattr(settings, k) for k in keys}
     own_registers = {read_metadata(f)["register"]: f for f in own}
     decisions = _decide(
         weights,
@@ -462,7 +463,8 @@ def _decide(
             else:
                 recipes[lid] = found
     verdicts: dict[str, tuple[bool, str, dict[str, Any]]] = {}
-    if bump == "minor" and recipes:
+    after_merge = merged is not None and settings.retrain_after_merge
+    if bump == "minor" and recipes and not after_merge:
         scores = inherited_matrix(
             weights,
             {f.meta["register"]: f.folder for f in recipes.values()},
@@ -478,6 +480,9 @@ def _decide(
         name = found.meta["register"]
         if bump == "major":
             fits, why, evidence = False, "a major release invalidates inherited LoRAs", {}
+        elif after_merge:
+            why = f"the new weights merge {merged}'s voice (publish.rebase.retrain_after_merge)"
+            fits, evidence = False, {}
         else:
             fits, why, evidence = verdicts[lid]
         if fits:

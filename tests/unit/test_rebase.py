@@ -270,3 +270,34 @@ def test_a_lora_trained_on_the_new_weights_supersedes_the_inherited_one(publishe
     decided = {d.register: d for d in found.decisions}
     assert decided[REGISTERS[0]].decision == "refused" and "superseded" in decided[REGISTERS[0]].reason
     assert decided[REGISTERS[1]].decision == "inherited-evaluated"
+
+
+def test_a_merge_retrains_the_inherited_loras_when_asked(published: Published) -> None:
+    """publish.rebase.retrain_after_merge: when the new weights merge a register's adapter, no
+    inherited LoRA fits, whatever the loss rule says (real_small's v2 kept four LoRAs by the rule
+    at register accuracy 0.57; retrained, 0.72): each is retrained, or refused without retraining.
+    Off (the default), the rule decides."""
+    merged, other = REGISTERS
+    base_b = published.base("b")
+    lenient = RebaseConfig(min_gain=-1e9, min_margin=-1e9, retrain=False)  # the rule fits anything
+
+    def decide(settings: RebaseConfig) -> dict[str, object]:
+        found = carry(
+            published.releases,
+            published.artifacts,
+            base_b,
+            [],
+            settings,
+            config().registers,
+            published.keys(),
+            merged_register=merged,
+        )
+        assert found is not None and found.bump == "minor"
+        return {d.register: d for d in found.decisions}
+
+    by_rule = decide(lenient)
+    assert by_rule[merged].decision == "refused" and "would apply twice" in by_rule[merged].reason
+    assert by_rule[other].decision == "inherited-evaluated" and "cells" in json.dumps(by_rule[other].evidence)
+    after = decide(dataclasses.replace(lenient, retrain_after_merge=True))
+    assert after[other].decision == "refused" and after[other].evidence == {}  # nothing evaluated
+    assert f"merge {merged}'s voice (publish.rebase.retrain_after_merge)" in after[other].reason
