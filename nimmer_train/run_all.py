@@ -113,6 +113,6 @@ def print_summary(cfg: Config, result: RunAllResult) -> None:
         print(
             f"\nThese voices come from a {cfg.model.name} base trained from scratch in minutes, so the"
             " turns above are fragments. For NPCs that speak English, the same pipeline on a real"
-            " pretrained base (SmolLM2-135M from its wheel, about 30 minutes on 2 cores):\n"
+            " pretrained base (SmolLM2-135M from its wheel, about 40 minutes on 2 cores):\n"
             "  make demo EXPERIMENT=real_small"
         )

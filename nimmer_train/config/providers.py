@@ -76,6 +76,8 @@ def adapt(knobs: SamplingKnobs, provider: str) -> tuple[SamplingKnobs, list[str]
     as they are here, never sent), a temperature outside the provider's range clamped into it."""
     row = profile(provider)
     warnings = config_warnings(provider)
+    if knobs.no_repeat_ngram_size:  # no provider's API has it (the request bodies never send it)
+        warnings.append("no_repeat_ngram_size_unsupported_dropped")
     low, high = row.temperature
     if not low <= knobs.temperature <= high:
         clamped = min(high, max(low, knobs.temperature))

@@ -11,7 +11,9 @@ its reason and evidence:
   ``publish.rebase.min_margin``. The evidence is those three cells (loss, interval, n, tokens).
 - ``rebased``: retrained on N+1's weights from its recorded data (the synthetic and literary
   datasets its metadata names by fingerprint) and recipe (its recorded LoRA settings and target
-  modules), because it failed the rule or N+1 is a major release.
+  modules), because it failed the rule, N+1 is a major release, or N+1 merges a register's
+  adapter and ``publish.rebase.retrain_after_merge`` is set (the merged voice pulls the others
+  toward it, which the loss rule does not see).
 - ``refused``: it does not fit N+1 and was not retrained (``publish.rebase.retrain: false``, its
   recorded data is gone, or its register's voice is merged into N+1's weights).
 

@@ -57,6 +57,12 @@ class RegistersConfig:
     catalogue: dict[str, Register] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for level, knobs in self.variety.items():
+            if not 0 <= knobs.no_repeat_ngram_size <= 64:  # nimmer serve's bound for the field
+                raise ConfigError(
+                    f"registers.variety.{level}.no_repeat_ngram_size",
+                    f"must be an integer in [0, 64] (0: off), not {knobs.no_repeat_ngram_size}",
+                )
         if not 4 <= len(self.catalogue) <= 6:
             raise ConfigError("registers.catalogue", f"v1 has 4 to 6 registers, got {len(self.catalogue)}")
         for name, reg in self.catalogue.items():

@@ -125,9 +125,11 @@ def _ban(scores: Any, bans: list[set[int]]) -> Any:
     import torch
 
     mask = torch.zeros_like(scores, dtype=torch.bool)
+    vocab = scores.shape[-1]
     for i, banned in enumerate(bans):
-        if banned:
-            mask[i, list(banned)] = True
+        inside = [t for t in banned if 0 <= t < vocab]  # an id past the scores has nothing to ban
+        if inside:
+            mask[i, inside] = True
     banned_scores = scores.masked_fill(mask, float("-inf"))
     alive = torch.isfinite(banned_scores).any(dim=-1, keepdim=True)
     return torch.where(alive, banned_scores, scores)

@@ -301,3 +301,9 @@ def test_a_merge_retrains_the_inherited_loras_when_asked(published: Published) -
     after = decide(dataclasses.replace(lenient, retrain_after_merge=True))
     assert after[other].decision == "refused" and after[other].evidence == {}  # nothing evaluated
     assert f"merge {merged}'s voice (publish.rebase.retrain_after_merge)" in after[other].reason
+    retrained = decide(dataclasses.replace(lenient, retrain_after_merge=True, retrain=True))[other]
+    assert retrained.decision == "rebased" and "does not fit, retrained" in retrained.reason
+    assert (
+        read_metadata(Path(retrained.rebased_adapter))["base"]["weights_sha256"]
+        == base_identity(base_b)["weights_sha256"]
+    )

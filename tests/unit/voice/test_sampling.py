@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from nimmer_train.voice.registers import load_catalogue
 from nimmer_train.voice.sampling import baseline, for_turn
@@ -89,3 +90,34 @@ def test_the_ngram_guard_bans_what_hf_bans_on_the_reply_and_never_empties_a_row(
     )
     assert torch.isfinite(guarded[0]).nonzero().flatten().tolist() == [14]
     assert torch.isfinite(guarded[1]).nonzero().flatten().tolist() == [3]
+
+
+def test_the_ngram_guard_is_checked_in_the_config_dropped_by_ring_c_and_safe_past_the_vocabulary(
+    tmp_path: Path,
+) -> None:
+    """A guard nimmer serve would refuse (outside 0-64) fails the catalogue naming the key; a
+    Ring C provider never gets it and the turn says so; a reply id past the scores bans nothing."""
+    import pytest
+    import torch
+    import yaml
+
+    from nimmer_train.config.providers import adapt
+    from nimmer_train.errors import ConfigError
+    from nimmer_train.voice.registers import CONF_DIR
+    from nimmer_train.voice.sampling import SamplingKnobs, warp_rows
+
+    raw = yaml.safe_load((CONF_DIR / "v1.yaml").read_text())
+    raw["variety"]["low"]["no_repeat_ngram_size"] = -1
+    (tmp_path / "v1.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"registers\.variety\.low\.no_repeat_ngram_size.*\[0, 64\]"):
+        load_catalogue(path=tmp_path / "v1.yaml")
+    guarded = for_turn(CATALOGUE, "drunk-scavenger")
+    for provider in ("anthropic", "together"):
+        assert "no_repeat_ngram_size_unsupported_dropped" in adapt(guarded, provider)[1]
+    assert (
+        "no_repeat_ngram_size_unsupported_dropped"
+        not in adapt(baseline(CATALOGUE, "drunk-scavenger"), "together")[1]
+    )
+    knobs = SamplingKnobs(1.0, 1.0, 0, 1.0, 0.0, no_repeat_ngram_size=2)
+    out = warp_rows(torch.zeros(1, 10), [knobs], [[12, 12]])  # 12 is past a 10-token vocabulary
+    assert torch.isfinite(out).all()
