@@ -12,10 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from nimmer_train.errors import NimmerError
 from nimmer_train.publish.signing import Keyring
 from nimmer_train.publish.versions import CompatibilityError, VerifiedVersion, load_verified, open_version
+from nimmer_train.runtime.decode_attention import use_decode_attention
 from nimmer_train.runtime.engine import Delta, Done, Engine, Event, Failed, Job, random_seed
+from nimmer_train.runtime.packed_linear import pack_linears
 from nimmer_train.voice.sampling import SamplingKnobs
 from nimmer_train.voice.structured import RowGrammar, bounded, chars_per_token, end_of_turn_ids
 
@@ -52,8 +56,6 @@ DTYPES = ("float32", "bfloat16", "auto")
 def native_bf16(device: str) -> bool:
     """Whether ``device`` multiplies bfloat16 natively: a CUDA GPU that supports it, or a CPU with
     AMX tiles or AVX512-BF16 (elsewhere bfloat16 matmuls are emulated and slower than float32)."""
-    import torch
-
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # torch.cpu's own checks
@@ -66,8 +68,6 @@ def serving_dtype(name: str, device: str) -> Any:
     about what one row costs (bare SmolLM2-135M here: 91-108 ms against 76-99 ms; float32 140-154 ms
     against 82-86 ms). A seeded row may then draw differently alone and in a batch (bfloat16
     rounds the batch's different matmul blocking visibly), so float32 stays the default."""
-    import torch
-
     if name not in DTYPES:
         raise NimmerError(f"engine dtype {name!r}: use one of {', '.join(DTYPES)}")
     if name == "auto":
@@ -104,6 +104,10 @@ class LocalModel:
         self.settings = settings = settings or EngineSettings()
         self.dtype = serving_dtype(settings.dtype, device)
         self.model.to(self.dtype)  # published in float32: a no-op unless another dtype was asked for
+        if device == "cpu":
+            pack_linears(self.model)  # oneDNN with prepacked weights: 1.4-2.5x faster decode steps
+            if self.dtype != torch.float32:
+                use_decode_attention(self.model)  # CPU attention is 6x slower in bfloat16
         engine = {k: v for k, v in dataclasses.asdict(settings).items() if k != "dtype"}
         self.engine = Engine(self.model, self.tokenizer, self.stop_ids, **engine)
 
