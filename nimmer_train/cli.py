@@ -8,7 +8,7 @@ nimmer versions pull URL_OR_PATH [--alias production | --no-alias] [--allow-down
 nimmer keys generate PRIVATE_KEY [--trust DIR]
 nimmer keys trust PUBLIC_KEY DIR
 nimmer serve [--releases DIR] [--version production] [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
-             [--reload-s 5] [--dtype float32|bfloat16|auto]
+             [--reload-s 5] [--dtype float32|bfloat16|auto] [--stream-interval 4]
 nimmer consent show PLAYER_DIR | set TIER PLAYER_DIR | revoke PLAYER_DIR | exclude CATEGORY PLAYER_DIR
 nimmer llm-config show PLAYER_DIR | set PLAYER_DIR --player-id ID [--casual-ring R ...] [--key-stdin TIER]
 nimmer contribute PLAYER_DIR --superlink HOST:PORT --root-certificates CA [--releases DIR] [--version V]
@@ -190,6 +190,13 @@ def serve_api_key(host: str, api_key_env: str | None) -> str | None:
     return None
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be 1 or more")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -197,7 +204,7 @@ def _serve(args: argparse.Namespace) -> int:
     from nimmer_train.runtime.openai_server import Reload, create_app, model_ids
 
     api_key = serve_api_key(args.host, args.api_key_env)
-    settings = EngineSettings(dtype=args.dtype)
+    settings = EngineSettings(dtype=args.dtype, stream_interval=args.stream_interval)
     trusted = args.trusted_keys or args.releases.parent / "keys" / "trusted"
     auth = " (bearer token required)" if api_key else ""
 
@@ -384,6 +391,13 @@ def _add_serve(groups: Any) -> None:
         default="float32",
         help="the weights' dtype while serving (auto: bfloat16 where the CPU has AMX or AVX512-BF16, "
         "or on a CUDA GPU with bfloat16; a seeded request may then differ alone and in a batch)",
+    )
+    serve.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=4,
+        help="a streamed choice's text is sent every this many tokens, its first text at once "
+        "(1: every token, at a cost to every running turn; default 4)",
     )
 
 

@@ -19,26 +19,28 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 ROOM = 64  # positions of room a buffer is given past what it holds
 
 
-def _with_room(x: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
-    """A buffer holding ``x`` ``[batch, heads, length, dim]`` in its first ``length`` positions,
-    and ``length`` (None, 0 for no tensor: transformers' lazy initialisation sets an empty 1-D one)."""
+def _with_room(x: torch.Tensor | None, dtype: torch.dtype | None) -> tuple[torch.Tensor | None, int]:
+    """A buffer (in ``dtype``, None: ``x``'s) holding ``x`` ``[batch, heads, length, dim]`` in its
+    first ``length`` positions, and ``length`` (None, 0 for no tensor: transformers' lazy
+    initialisation sets an empty 1-D one)."""
     if x is None or x.dim() != 4:
         return None, 0
     batch, heads, length, dim = x.shape
-    buffer = x.new_empty(batch, heads, length + ROOM, dim)
+    buffer = x.new_empty(batch, heads, length + ROOM, dim, dtype=dtype or x.dtype)
     buffer[:, :, :length].copy_(x)
     return buffer, length
 
 
 class GrowingLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose ``keys`` and ``values`` are views of buffers with room to grow.
-    Keys and values keep their own lengths: callers assign one and then compute the other from
-    its old value (the engine's sweep and merge, ``crop``)."""
+    """A ``DynamicLayer`` whose ``keys`` and ``values`` are views of buffers with room to grow,
+    stored in ``dtype`` (None: as they come). Keys and values keep their own lengths: callers
+    assign one and then compute the other from its old value (the engine's sweep, ``crop``)."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, dtype: torch.dtype | None = None, **kwargs: Any) -> None:
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._nk = self._nv = 0
+        self.store = dtype
         super().__init__(**kwargs)
 
     @property
@@ -47,7 +49,7 @@ class GrowingLayer(DynamicLayer):
 
     @keys.setter
     def keys(self, x: torch.Tensor | None) -> None:
-        self._k, self._nk = _with_room(x)
+        self._k, self._nk = _with_room(x, self.store)
 
     @property
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
@@ -55,7 +57,22 @@ class GrowingLayer(DynamicLayer):
 
     @values.setter
     def values(self, x: torch.Tensor | None) -> None:
-        self._v, self._nv = _with_room(x)
+        self._v, self._nv = _with_room(x, self.store)
+
+    def join(self, other: GrowingLayer, width: int) -> None:
+        """Append ``other``'s rows below this layer's, each side's positions right-aligned in
+        ``width`` and zeros to their left (the padding the attention mask hides), in one copy."""
+        for name in ("_k", "_v"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine_n, theirs_n = (self._nk, other._nk) if name == "_k" else (self._nv, other._nv)
+            assert mine is not None and theirs is not None
+            top, bottom = mine.shape[0], theirs.shape[0]
+            out = mine.new_empty(top + bottom, mine.shape[1], width + ROOM, mine.shape[3])
+            for rows, source, n in ((slice(0, top), mine, mine_n), (slice(top, None), theirs, theirs_n)):
+                out[rows, :, : width - n].zero_()
+                out[rows, :, width - n : width].copy_(source[:, :, :n])
+            setattr(self, name, out)
+        self._nk = self._nv = width
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -78,9 +95,11 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values  # type: ignore[return-value]
 
 
-def growing_cache(config: Any) -> DynamicCache:
-    """``DynamicCache(config=config)`` with its full-attention layers growing in place (sliding
-    window and other special layers stay transformers' own)."""
+def growing_cache(config: Any, dtype: torch.dtype | None = None) -> DynamicCache:
+    """``DynamicCache(config=config)`` with its full-attention layers growing in place, their keys
+    and values stored in ``dtype`` (None: the model's; another dtype needs an attention that takes
+    it, as runtime/decode_attention.py's does; sliding window and other special layers stay
+    transformers' own)."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [GrowingLayer(dtype) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache

@@ -47,6 +47,7 @@ class EngineSettings:
     max_waiting: int = 64  # rows queued beyond the batch (then 429 with Retry-After)
     threads: int = 1  # torch intra-op threads of the decode thread (more on a free many-core host)
     prefix_cache_entries: int = 32  # recent prompts whose KV a new prompt's common prefix reuses
+    stream_interval: int = 4  # a streamed row's text is sent every this many tokens (its first at once)
     dtype: str = "float32"  # float32 | bfloat16 | auto (bfloat16 where the device multiplies it natively)
 
 
@@ -104,12 +105,13 @@ class LocalModel:
         self.settings = settings = settings or EngineSettings()
         self.dtype = serving_dtype(settings.dtype, device)
         self.model.to(self.dtype)  # published in float32: a no-op unless another dtype was asked for
-        if device == "cpu":
-            pack_linears(self.model)  # oneDNN with prepacked weights: 1.4-2.5x faster decode steps
-            if self.dtype != torch.float32:
-                use_decode_attention(self.model)  # CPU attention is 6x slower in bfloat16
+        kv_dtype = None
+        if device == "cpu":  # runtime/packed_linear.py, runtime/decode_attention.py
+            pack_linears(self.model)
+            use_decode_attention(self.model)
+            kv_dtype = torch.float32  # the attention runs in float32: no cast of the cache per step
         engine = {k: v for k, v in dataclasses.asdict(settings).items() if k != "dtype"}
-        self.engine = Engine(self.model, self.tokenizer, self.stop_ids, **engine)
+        self.engine = Engine(self.model, self.tokenizer, self.stop_ids, kv_dtype=kv_dtype, **engine)
 
     @classmethod
     def open(

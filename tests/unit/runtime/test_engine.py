@@ -192,6 +192,34 @@ def test_n_rows_stop_strings_and_logprobs(model: LocalModel) -> None:
         assert end.finish_reason == "stop" and end.text == text[: text.find(stop)]
 
 
+def test_a_streamed_row_sends_its_text_every_stream_interval_tokens(
+    published: tuple[Path, Path], model: LocalModel
+) -> None:
+    long = SamplingKnobs(1.0, 1.0, 0, 1.0, 0.0, max_new_tokens=24)
+    q: queue.Queue = queue.Queue()
+    job = model.prepare(MESSAGES, "caste-preacher", long, None, seed=7, sink=q.put, logprobs=0)
+    (coalesced,) = _collect(model, [job], [q])
+    releases, trusted = published
+    every = LocalModel.open(releases, "v1", trusted, settings=EngineSettings(stream_interval=1))
+    try:
+        q = queue.Queue()
+        job = every.prepare(MESSAGES, "caste-preacher", long, None, seed=7, sink=q.put, logprobs=0)
+        (per_token,) = _collect(every, [job], [q])
+    finally:
+        every.close()
+    for events in (coalesced, per_token):
+        (done,) = [e for e in events if isinstance(e, Done)]
+        deltas = [e for e in events if isinstance(e, Delta)]
+        assert "".join(d.text for d in deltas) == done.text  # nothing lost or repeated
+        assert sum(len(d.logprobs) for d in deltas) == done.completion_tokens  # every token's logprob
+    assert _texts(coalesced) == _texts(per_token)  # the interval changes when text is sent, not what
+    assert {len(d.logprobs) for d in per_token if isinstance(d, Delta)} == {1}  # a delta per token
+    sizes = [len(d.logprobs) for d in coalesced if isinstance(d, Delta)]
+    interval = model.settings.stream_interval
+    assert sizes[0] < interval  # the first text at once (time to first token unchanged)
+    assert all(n <= interval for n in sizes) and max(sizes) == interval  # then every `interval` tokens
+
+
 def test_ring_a_speaks_through_the_engine(model: LocalModel) -> None:
     catalogue = load_catalogue()
     ring = RingA(model)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from nimmer_train.runtime.decode_attention import use_decode_attention
 from nimmer_train.runtime.kv_cache import ROOM, GrowingLayer, growing_cache
 
 
@@ -102,3 +103,36 @@ def test_keys_and_values_assigned_one_after_the_other_keep_their_own_lengths() -
     torch.testing.assert_close(layer.values, torch.cat([values[:, :, 2:], wider], dim=2))
     layer.keys, layer.values = layer.keys[:, :, 99:], layer.values[:, :, 99:]  # nothing left
     assert layer.keys.shape[2] == layer.values.shape[2] == 0 and layer.get_seq_length() == 0
+
+
+def test_join_stacks_two_batches_left_padded_in_one_buffer_with_room() -> None:
+    top, bottom = GrowingLayer(), GrowingLayer()
+    a, b = torch.randn(2, 2, 5, 4), torch.randn(1, 2, 8, 4)
+    top.keys, top.values, bottom.keys, bottom.values = a, a + 1, b, b + 1
+    width = 9
+    top.join(bottom, width)  # what the engine's merge did with torch.cat of left-padded sides
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x.new_zeros(x.shape[0], x.shape[1], width - x.shape[2], x.shape[3]), x], dim=2)
+
+    torch.testing.assert_close(top.keys, torch.cat([padded(a), padded(b)]), rtol=0, atol=0)
+    torch.testing.assert_close(top.values, torch.cat([padded(a + 1), padded(b + 1)]), rtol=0, atol=0)
+    assert top._k is not None and top._k.shape[2] == width + ROOM  # room to decode in place
+    more = torch.randn(3, 2, 1, 4)
+    top.is_initialized = True
+    k, _ = top.update(more, more)
+    torch.testing.assert_close(k[:, :, -1:], more)
+
+
+def test_a_cache_can_store_its_keys_and_values_in_float32_for_a_bfloat16_model() -> None:
+    model = _model().to(torch.bfloat16)
+    use_decode_attention(model)  # transformers' SDPA wants keys in the query's dtype; this one upcasts
+    cache = growing_cache(model.config, torch.float32)
+    ids = torch.randint(0, 97, (2, 6))
+    with torch.inference_mode():
+        model(input_ids=ids, cache=cache, use_cache=True)
+        layer = cache.layers[0]
+        assert layer.keys.dtype == layer.values.dtype == torch.float32
+        step = torch.randn(2, 2, 1, 8, dtype=torch.bfloat16)
+        layer.update(step, step)
+        assert layer.keys.dtype == torch.float32 and layer.keys.shape[2] == 7
