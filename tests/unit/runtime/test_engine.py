@@ -218,6 +218,9 @@ def test_a_streamed_row_sends_its_text_every_stream_interval_tokens(
     interval = model.settings.stream_interval
     assert sizes[0] < interval  # the first text at once (time to first token unchanged)
     assert all(n <= interval for n in sizes) and max(sizes) == interval  # then every `interval` tokens
+    assert cli._parser().parse_args(["serve", "--stream-interval", "1"]).stream_interval == 1
+    with pytest.raises(SystemExit):  # argparse: "0: must be 1 or more"
+        cli._parser().parse_args(["serve", "--stream-interval", "0"])
 
 
 def test_ring_a_speaks_through_the_engine(model: LocalModel) -> None:
