@@ -10,7 +10,8 @@
   are upcast and the output cast back. A prefill (several query tokens) takes SDPA in float32.
 
 Registered with transformers as ``"nimmer_sdpa"`` (attention and mask functions) and selected by
-:func:`use_decode_attention` on the serving model only; training keeps transformers' own.
+:func:`use_decode_attention` on a serving model that runs SDPA (a model on eager attention for a
+softcap, or without SDPA support, keeps its own); training keeps transformers' own.
 """
 
 from __future__ import annotations
@@ -60,15 +61,20 @@ def decode_attention(
             scores.add_(mask.float())
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, value.float())  # [batch, groups, rep, dim]
-    return out.reshape(batch, 1, heads, dim).to(dtype), None
+    return out.reshape(batch, 1, heads, value.shape[-1]).to(dtype), None
 
 
-def use_decode_attention(model: Any) -> None:
-    """Switch ``model`` (a transformers model, or a PEFT model around one) to this attention."""
+def use_decode_attention(model: Any) -> bool:
+    """Switch ``model`` (a transformers model, or a PEFT model around one) to this attention where
+    it runs transformers' SDPA now; whether it did. A model on another attention (eager for a
+    softcap, or one without SDPA support, which may pass sinks or biases SDPA ignores) keeps it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if inner.config._attn_implementation != "sdpa":
+        return inner.config._attn_implementation == NAME
     AttentionInterface.register(NAME, decode_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner.config._attn_implementation = NAME
+    return True

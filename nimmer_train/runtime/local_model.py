@@ -108,8 +108,8 @@ class LocalModel:
         kv_dtype = None
         if device == "cpu":  # runtime/packed_linear.py, runtime/decode_attention.py
             pack_linears(self.model)
-            use_decode_attention(self.model)
-            kv_dtype = torch.float32  # the attention runs in float32: no cast of the cache per step
+            if use_decode_attention(self.model):
+                kv_dtype = torch.float32  # its attention runs in float32: no cast of the cache per step
         engine = {k: v for k, v in dataclasses.asdict(settings).items() if k != "dtype"}
         self.engine = Engine(self.model, self.tokenizer, self.stop_ids, kv_dtype=kv_dtype, **engine)
 

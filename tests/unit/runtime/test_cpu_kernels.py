@@ -92,3 +92,48 @@ def test_the_decode_attention_gives_sdpas_logits(dtype: torch.dtype) -> None:
     assert (reference - got).abs().max() < tolerance
     other = _model(dtype)  # another model in the process keeps transformers' attention
     assert other.config._attn_implementation != NAME
+
+
+@needs_onednn
+def test_a_packed_model_deep_copies_and_a_data_write_needs_a_repack() -> None:
+    import copy
+
+    model = _model()
+    pack_linears(model)
+    twin = copy.deepcopy(model)  # PEFT's modules_to_save deep-copies a module: the packs stay behind
+    torch.testing.assert_close(_logits(twin), _logits(model))
+    layer = model.model.layers[0].mlp.down_proj
+    before = _logits(model)
+    with torch.no_grad():
+        layer.weight.data.mul_(2.0)  # through .data (PEFT's merge_adapter): no version counter moves
+    assert pack_linears(model) == 15  # so the caller packs again, as the module docstring says
+    after = _logits(model)
+    assert (after - before).abs().max() > 1e-3
+    layer.forward = torch.nn.Linear.forward.__get__(layer)  # the plain path agrees
+    torch.testing.assert_close(_logits(model), after, atol=1e-4, rtol=0)
+
+
+@needs_onednn
+def test_a_layer_made_under_inference_mode_packs() -> None:
+    with torch.inference_mode():
+        layer = torch.nn.Linear(16, 8)  # inference tensors have no version counter
+        assert pack_linears(layer) == 1
+        x = torch.randn(2, 16)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_a_model_on_eager_attention_keeps_it() -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    config._attn_implementation = "eager"  # as Gemma 2 (softcap) or a model without SDPA support
+    model = LlamaForCausalLM(config).eval()
+    assert not use_decode_attention(model)
+    assert model.config._attn_implementation == "eager"
+    assert use_decode_attention(_model())  # an SDPA model switches
