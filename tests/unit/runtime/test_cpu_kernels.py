@@ -15,7 +15,7 @@ from nimmer_train.runtime.packed_linear import pack_linears, packing_available
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
 
-def _model(dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+def _model(dtype: torch.dtype = torch.float32, attention: str | None = None) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=97,
@@ -26,6 +26,8 @@ def _model(dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
         num_key_value_heads=2,  # grouped-query: two query heads per key/value head
         max_position_embeddings=256,
     )
+    if attention is not None:
+        config._attn_implementation = attention
     return LlamaForCausalLM(config).eval().to(dtype)
 
 
@@ -123,17 +125,7 @@ def test_a_layer_made_under_inference_mode_packs() -> None:
 
 
 def test_a_model_on_eager_attention_keeps_it() -> None:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    config._attn_implementation = "eager"  # as Gemma 2 (softcap) or a model without SDPA support
-    model = LlamaForCausalLM(config).eval()
+    model = _model(attention="eager")  # as Gemma 2 (softcap) or a model without SDPA support
     assert not use_decode_attention(model)
     assert model.config._attn_implementation == "eager"
     assert use_decode_attention(_model())  # an SDPA model switches
