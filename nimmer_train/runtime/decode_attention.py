@@ -9,6 +9,12 @@
   dtype; the engine stores the KV cache in float32 (no cast of the cache at each step), queries
   are upcast and the output cast back. A prefill (several query tokens) takes SDPA in float32.
 
+- **A ragged step** (``ragged=`` :class:`~nimmer_train.runtime.kv_cache.Ragged` in the forward's
+  keyword arguments): the running rows' next tokens and the prompts joining the batch come as one
+  flattened sequence; the running rows attend as above, each joining prompt causally over its own
+  row (SDPA in float32). One forward then reads the weights once for both, where a separate
+  prefill read them again (vLLM's and Sarathi's mixed prefill-decode batches).
+
 Registered with transformers as ``"nimmer_sdpa"`` (attention and mask functions) and selected by
 :func:`use_decode_attention` on a serving model that runs SDPA (a model on eager attention for a
 softcap, or without SDPA support, keeps its own); training keeps transformers' own.
@@ -36,6 +42,9 @@ def decode_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dtype = query.dtype
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if kwargs.get("ragged") is not None:
+        return _ragged(query, key, value, kwargs["ragged"], scale), None
     if query.shape[2] != 1 or dropout or kwargs.get("position_bias") is not None or kwargs.get("softcap"):
         if dtype == torch.float32 or query.device.type != "cpu":
             return sdpa_attention_forward(
@@ -48,20 +57,51 @@ def decode_attention(
             module, query.float(), key.float(), value.float(), mask, dropout, scaling, **kwargs
         )
         return out.to(dtype), None
+    mask = None if attention_mask is None else attention_mask[:, :, -1:, :]  # the one query's row
+    return _one_query(query, key, value, mask, scale), None
+
+
+def _one_query(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Each row's single query token over its keys: ``[batch, 1, heads, dim]`` in ``query``'s
+    dtype; ``mask`` ``[batch or 1, 1, 1, length]``, bool (True attends) or additive."""
     batch, heads, _, dim = query.shape
     groups = key.shape[1]
-    scale = scaling if scaling is not None else dim**-0.5
     q = query.reshape(batch, groups, heads // groups, dim).float()  # a key head's query heads as rows
     scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scale)  # [batch, groups, rep, length]
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -1:, :]  # [batch or 1, 1, 1, length]: the one query's row
+    if mask is not None:
         if mask.dtype == torch.bool:
             scores.masked_fill_(~mask, float("-inf"))
         else:
             scores.add_(mask.float())
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, value.float())  # [batch, groups, rep, dim]
-    return out.reshape(batch, 1, heads, value.shape[-1]).to(dtype), None
+    return out.reshape(batch, 1, heads, value.shape[-1]).to(query.dtype)
+
+
+def _ragged(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Any, scale: float
+) -> torch.Tensor:
+    """A ragged step's attention (``plan``: kv_cache.Ragged): ``query`` ``[1, heads, tokens, dim]``
+    over the batch's ``[rows, kv_heads, width, dim]`` keys; ``[1, tokens, heads, dim]``."""
+    parts, width = [], plan.width
+    if plan.rows:
+        q = query[0, :, : plan.rows].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
+        out = _one_query(q, key[: plan.rows], value[: plan.rows], plan.decode_mask, scale)
+        parts.append(out.reshape(1, plan.rows, *out.shape[2:]))
+    at = plan.rows
+    for seg in plan.segments:
+        q = query[:, :, at : at + seg.tokens].float()
+        k = key[seg.row : seg.row + 1, :, width - seg.length : width].float()
+        v = value[seg.row : seg.row + 1, :, width - seg.length : width].float()
+        causal = torch.ones(seg.tokens, seg.length, dtype=torch.bool).tril(seg.length - seg.tokens)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
+        parts.append(out.transpose(1, 2).to(query.dtype))
+        at += seg.tokens
+    return torch.cat(parts, dim=1)
 
 
 def use_decode_attention(model: Any) -> bool:
@@ -78,3 +118,14 @@ def use_decode_attention(model: Any) -> bool:
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
     inner.config._attn_implementation = NAME
     return True
+
+
+RAGGED_MODEL_TYPES = frozenset({"llama"})  # forwards that hand their keyword arguments to attention
+
+
+def takes_ragged(model: Any) -> bool:
+    """Whether ``model`` (switched by :func:`use_decode_attention`) runs a ragged step: its
+    attention is this one and its architecture passes ``ragged=`` through (tests/unit/runtime
+    compare the step with a prefill of its own for each listed one)."""
+    config = model.config
+    return config._attn_implementation == NAME and config.model_type in RAGGED_MODEL_TYPES

@@ -3,10 +3,15 @@ runs every request in one batch, each row with its own register adapter (stacked
 :mod:`nimmer_train.runtime.stacked_lora`), sampling knobs, seeded generator, stop conditions,
 token budget and grammar.
 
-Iteration-level batching: each request is prefilled alone (its ``n`` rows together) and its KV
-cache joins the running batch between two decode steps, left-padded to the batch's length (the
-attention mask hides the padding, positions count each row's own tokens); a row that finishes,
-or whose client went away, leaves at once and the padding no row needs is trimmed. When the
+Iteration-level batching: a request joins the running batch between two decode steps, left-padded
+to the batch's length (the attention mask hides the padding, positions count each row's own
+tokens); a row that finishes, or whose client went away, leaves at once and the padding no row
+needs is trimmed. On a model whose attention takes a ragged step (the CPU's, see
+:mod:`~nimmer_train.runtime.decode_attention`) the joining prompts are computed in the same forward
+as the running rows' next tokens (mixed prefill and decode, as vLLM and Sarathi batch them): the
+weights are read once for both, where a prefill of its own read them again and stalled every row
+for a step's time (on SmolLM2-135M a 25-token prefill cost ~70 ms, two decode steps at a batch of
+one). Elsewhere each request is prefilled alone (its ``n`` rows together) and its KV cache joins. When the
 engine is idle the first request waits ``window_s`` for company. Requests arrive prepared
 (:class:`Job`: tokenized, grammar compiled) by the caller's thread, so the CPU-heavy preparation
 never runs on the decode thread; adapter loads run between steps (:meth:`Engine.call`). The decode
@@ -36,6 +41,7 @@ from typing import Any
 import torch
 
 from nimmer_train.errors import NimmerError
+from nimmer_train.runtime.decode_attention import takes_ragged
 from nimmer_train.runtime.serve_metrics import ServeMetrics
 from nimmer_train.runtime.stacked_lora import StackedLora, lora_linears
 from nimmer_train.voice.sampling import SamplingKnobs, sample_rows, warp_rows
@@ -129,6 +135,9 @@ class _Row:
     finish: str | None = None
 
 
+_RAGGED_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a ragged forward's mask argument (unused)
+
+
 def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     short = width - x.shape[dim]
     if short == 0:
@@ -160,6 +169,7 @@ class Engine:
         self.kv_dtype = kv_dtype  # the KV cache's dtype (None: the model's)
         self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.lora = StackedLora(model) if lora_linears(model) else None
+        self.ragged = takes_ragged(self.inner)  # joining prompts share the running rows' forward
         self.max_batch, self.window_s, self.max_waiting = max_batch, window_s, max_waiting
         self.max_prefill_tokens, self.threads = max_prefill_tokens, threads
         if stream_interval < 1:
@@ -257,12 +267,12 @@ class Engine:
             with torch.inference_mode():
                 while self._wait():
                     self._controls()
-                    self._admit()
-                    if self.rows:
+                    joining = self._admit()
+                    if self.rows or joining:
                         try:
-                            self._step()
+                            self._step(joining)
                         except Exception as exc:  # this batch fails; the engine goes on
-                            self._fail_batch(exc)
+                            self._fail_batch(exc, joining)
         except BaseException as exc:  # the thread must not die silently: fail everyone, say why
             self.error = exc
             message = f"the generation engine failed: {type(exc).__name__}: {exc}"
@@ -273,8 +283,8 @@ class Engine:
                 self._emit(job, Failed(message))
             raise
 
-    def _fail_batch(self, exc: Exception) -> None:
-        jobs = {id(r.job): r.job for r in self.rows}
+    def _fail_batch(self, exc: Exception, joining: list[Job]) -> None:
+        jobs = {id(r.job): r.job for r in self.rows} | {id(j): j for j in joining}
         self.rows, self.cache, self.mask = [], None, None
         for job in jobs.values():
             self._emit(job, Failed(f"{type(exc).__name__}: {exc}"))
@@ -304,7 +314,9 @@ class Engine:
             except Exception as exc:
                 future.set_exception(exc)
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Job]:
+        """Take the waiting jobs the batch has room for; those to join at the next step (a ragged
+        one), or none (each prefilled here)."""
         taken: list[Job] = []
         with self.cond:
             self._purge()
@@ -319,23 +331,55 @@ class Engine:
                 room -= job.n
                 tokens += len(job.prompt)
             self.metrics.waiting = len(self.waiting)
+        joining = []
         for job in taken:
             try:
-                self._prefill(job)
+                if self.ragged:
+                    if self.lora is not None:
+                        self.lora.slot(job.adapter)  # its adapter is still loaded
+                    elif job.adapter is not None:
+                        raise NimmerError("this model has no LoRA adapters loaded")
+                    joining.append(job)
+                else:
+                    self._prefill(job)
             except Exception as exc:
                 self._emit(job, Failed(str(exc)))
         self._sweep()
+        return joining
 
-    def _select(self, adapters: list[str | None]) -> None:
+    def _select(
+        self, adapters: list[str | None], segments: list[tuple[str | None, int]] | None = None
+    ) -> None:
         if self.lora is not None:
-            self.lora.select(adapters)
-        elif any(a is not None for a in adapters):
+            self.lora.select(adapters, segments or ())
+        elif any(a is not None for a in [*adapters, *(a for a, _ in segments or ())]):
             raise NimmerError("this model has no LoRA adapters loaded")
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any, ragged: Any = None
+    ) -> Any:
         """The logits of each row's last position. The last position is gathered by index (a fresh
         tensor), not sliced: torch's bfloat16 linear took 190 ms for the output layer on a sliced
-        ``[1, 1, hidden]`` view of a prefill (11 ms on a fresh one; SmolLM2's 49k-token vocabulary)."""
+        ``[1, 1, hidden]`` view of a prefill (11 ms on a fresh one; SmolLM2's 49k-token vocabulary).
+        ``ragged`` (kv_cache.Ragged): ``ids`` ``[1, tokens]`` are a ragged step's; the logits of the
+        positions ``mask`` lists (each running row's token, each joining prompt's last)."""
+        if ragged is not None:
+            for layer in cache.layers:
+                layer.ragged = ragged  # where each token's keys and values go
+            try:
+                out = self.inner(
+                    input_ids=ids,
+                    attention_mask=_RAGGED_MASK,  # 4-D: taken as is; the attention masks by the plan
+                    position_ids=positions,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=mask,
+                    ragged=ragged,
+                )
+            finally:
+                for layer in cache.layers:
+                    layer.ragged = None
+            return out.logits[0].float()
         out = self.inner(
             input_ids=ids,
             attention_mask=mask,
@@ -356,7 +400,9 @@ class Engine:
         ids = torch.tensor([job.prompt[start:]] * n, dtype=torch.long)
         mask = torch.ones(n, length, dtype=torch.long)
         logits = self._forward(ids, mask, torch.arange(start, length).expand(n, -1), cache)
-        self.prefixes.keep(job.adapter, job.prompt, cache)
+        self.prefixes.keep(
+            job.adapter, job.prompt, [(layer.keys[:1], layer.values[:1]) for layer in cache.layers]
+        )
         rows = [
             _Row(job, i, torch.Generator().manual_seed(seed), grammar)
             for i, (seed, grammar) in enumerate(zip(job.seeds, job.grammars, strict=True))
@@ -382,7 +428,82 @@ class Engine:
             mine.values = torch.cat([_pad_left(mine.values, width, 2), _pad_left(theirs.values, width, 2)])
         self.mask = torch.cat([_pad_left(self.mask, width, 1), _pad_left(mask, width, 1)])
 
-    def _step(self) -> None:
+    def _join(self, jobs: list[Job]) -> None:
+        """One ragged forward: the running rows' next tokens and what the joining jobs' prompts
+        have beyond their cached prefixes; each job's rows join the batch with their first token."""
+        from nimmer_train.runtime.kv_cache import Ragged, Segment, growing_cache
+
+        rows, old = len(self.rows), self.mask
+        if self.cache is None or old is None:
+            self.cache, rows = growing_cache(self.inner.config, self.kv_dtype), 0
+        width = max([len(j.prompt) for j in jobs] + ([old.shape[1] + 1] if rows and old is not None else []))
+        layers = self.cache.layers
+        parts: list[list[tuple[Any, Any, int, int]]] = [[] for _ in layers]
+        masks, ids, positions, segments = [], [r.ids[-1] for r in self.rows], [], []
+        if rows and old is not None:
+            for layer, part in zip(layers, parts, strict=True):
+                part.append((layer.keys, layer.values, rows, width - 1))
+            masks.append(_pad_left(torch.cat([old, old.new_ones(rows, 1)], dim=1), width, 1))
+            positions = old.sum(dim=1).tolist()
+        row = rows
+        for job in jobs:
+            start, kept = self.prefixes.find(job.adapter, job.prompt)
+            seg = Segment(row, job.n, len(job.prompt) - start, len(job.prompt))
+            for i, part in enumerate(parts):
+                k, v = (kept[i][0][:, :, :start], kept[i][1][:, :, :start]) if kept else (None, None)
+                part.append((k, v, job.n, width - seg.tokens))
+            masks.append(_pad_left(torch.ones(job.n, seg.length, dtype=torch.long), width, 1))
+            ids += job.prompt[start:]
+            positions += range(start, seg.length)
+            segments.append(seg)
+            row += job.n
+        config = self.inner.config
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        like = torch.empty(0, config.num_key_value_heads, 0, dim, dtype=self.kv_dtype or self.inner.dtype)
+        for layer, part in zip(layers, parts, strict=True):
+            layer.place(part, width, like)
+        self.mask = torch.cat(masks)
+        plan = Ragged(
+            rows, tuple(segments), width, self.mask[:rows].bool()[:, None, None, :] if rows else None
+        )
+        self._select(
+            [r.job.adapter for r in self.rows],
+            [(j.adapter, s.tokens) for j, s in zip(jobs, segments, strict=True)],
+        )
+        ends = torch.tensor([s.tokens for s in segments]).cumsum(0) + rows - 1
+        keep = torch.cat([torch.arange(rows), ends])
+        logits = self._forward(torch.tensor([ids]), keep, torch.tensor([positions]), self.cache, plan)
+        joined, chosen = [], [logits[:rows]]
+        for i, (job, seg) in enumerate(zip(jobs, segments, strict=True)):
+            prompt = [
+                (
+                    layer.keys[seg.row : seg.row + 1, :, width - seg.length :],
+                    layer.values[seg.row : seg.row + 1, :, width - seg.length :],
+                )
+                for layer in layers
+            ]
+            self.prefixes.keep(job.adapter, job.prompt, prompt)
+            joined += [
+                _Row(job, c, torch.Generator().manual_seed(seed), grammar)
+                for c, (seed, grammar) in enumerate(zip(job.seeds, job.grammars, strict=True))
+            ]
+            chosen.append(logits[rows + i].expand(job.n, -1))
+        if rows:
+            self.steps += 1
+            self.metrics.batch(rows)
+        everyone = self.rows + joined
+        tokens = self._choose(everyone, torch.cat(chosen))
+        self.rows = everyone
+        for job in jobs:
+            self.metrics.started(job.register, len(job.prompt), time.perf_counter() - job.submitted)
+        for r, token in zip(everyone, tokens, strict=True):
+            self._advance(r, token)
+        self._sweep()
+
+    def _step(self, joining: list[Job]) -> None:
+        if joining:
+            self._join(joining)
+            return
         assert self.mask is not None
         self.steps += 1
         self.metrics.batch(len(self.rows))
@@ -517,6 +638,18 @@ class PrefixCache:
 
     def reuse(self, adapter: str | None, prompt: list[int], cache: Any, n: int) -> int:
         """Fill ``cache`` (``n`` rows) with the longest cached prefix of ``prompt``; its length."""
+        best, kept = self.find(adapter, prompt)
+        for i, (keys, values) in enumerate(kept or []):
+            cache.update(
+                keys[:, :, :best].expand(n, -1, -1, -1), values[:, :, :best].expand(n, -1, -1, -1), i
+            )
+        return best
+
+    def find(
+        self, adapter: str | None, prompt: list[int]
+    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """The length of the longest cached prefix of ``prompt`` (0 when none is worth it) and the
+        keys and values per layer that hold it (``[1, kv_heads, >= length, dim]``)."""
         best, best_key = 0, None
         for key in self.kept:
             if key[0] != adapter:
@@ -530,21 +663,20 @@ class PrefixCache:
                 best, best_key = same, key
         best = min(best, len(prompt) - 1)  # at least one token to prefill: its logits are needed
         if best_key is None or best < self.MIN_TOKENS:
-            return 0
+            return 0, None
         self.kept.move_to_end(best_key)
-        for i, (keys, values) in enumerate(self.kept[best_key]):
-            cache.update(
-                keys[:, :, :best].expand(n, -1, -1, -1), values[:, :, :best].expand(n, -1, -1, -1), i
-            )
         self.hits += 1
         self.tokens_saved += best
-        return best
+        return best, self.kept[best_key]
 
-    def keep(self, adapter: str | None, prompt: list[int], cache: Any) -> None:
+    def keep(
+        self, adapter: str | None, prompt: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Keep ``prompt``'s keys and values, per layer ``[1, kv_heads, len(prompt), dim]``."""
         if self.entries <= 0:
             return
         key = (adapter, tuple(prompt))
-        self.kept[key] = [(layer.keys[:1].clone(), layer.values[:1].clone()) for layer in cache.layers]
+        self.kept[key] = [(keys.clone(), values.clone()) for keys, values in kv]
         self.kept.move_to_end(key)
         while len(self.kept) > self.entries or (len(self.kept) > 1 and self.nbytes() > self.max_bytes):
             self.kept.popitem(last=False)

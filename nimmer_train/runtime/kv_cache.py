@@ -7,10 +7,15 @@ with the batch (on the small base at a batch of 8 and ~400 positions, 1.8 of the
 took; attention over the buffer's view costs 10 % more than over a packed tensor, 0.1 ms).
 Everything else about the layer is transformers' own: code that assigns ``layer.keys`` (the
 engine's merge and sweep, ``batch_select_indices``, ``crop``) gets a fresh buffer with room.
+
+A **ragged step** (:class:`Ragged`) runs the running rows' next tokens and the prompts joining the
+batch as one flattened sequence: the engine lays the joining rows' cached prefixes out with
+:meth:`GrowingLayer.place`, and each layer's update writes every token at its row and column.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +36,31 @@ def _with_room(x: torch.Tensor | None, dtype: torch.dtype | None) -> tuple[torch
     return buffer, length
 
 
+@dataclass(frozen=True)
+class Segment:
+    """A prompt joining the batch: batch rows ``row`` to ``row + n`` (one prompt, ``n`` choices)
+    hold its ``length`` positions right-aligned; the last ``tokens`` of them are computed now (the
+    rest came from the prefix cache)."""
+
+    row: int
+    n: int
+    tokens: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """One forward over ``[1, rows + sum(segment tokens)]`` tokens: first one token for each of the
+    batch rows ``0 .. rows - 1`` (written at column ``width - 1``), then each segment's tokens
+    (written at its rows' last ``tokens`` columns). ``decode_mask``: the rows' padding,
+    ``[rows, 1, 1, width]``, True where a row attends."""
+
+    rows: int
+    segments: tuple[Segment, ...]
+    width: int
+    decode_mask: torch.Tensor | None
+
+
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose ``keys`` and ``values`` are views of buffers with room to grow,
     stored in ``dtype`` (None: as they come). Keys and values keep their own lengths: callers
@@ -41,6 +71,7 @@ class GrowingLayer(DynamicLayer):
         self._v: torch.Tensor | None = None
         self._nk = self._nv = 0
         self.store = dtype
+        self.ragged: Ragged | None = None  # set by the engine around a ragged forward
         super().__init__(**kwargs)
 
     @property
@@ -62,21 +93,48 @@ class GrowingLayer(DynamicLayer):
     def join(self, other: GrowingLayer, width: int) -> None:
         """Append ``other``'s rows below this layer's, each side's positions right-aligned in
         ``width`` and zeros to their left (the padding the attention mask hides), in one copy."""
-        for name in ("_k", "_v"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            mine_n, theirs_n = (self._nk, other._nk) if name == "_k" else (self._nv, other._nv)
-            assert mine is not None and theirs is not None
-            top, bottom = mine.shape[0], theirs.shape[0]
-            out = mine.new_empty(top + bottom, mine.shape[1], width + ROOM, mine.shape[3])
-            for rows, source, n in ((slice(0, top), mine, mine_n), (slice(top, None), theirs, theirs_n)):
-                out[rows, :, : width - n].zero_()
-                out[rows, :, width - n : width].copy_(source[:, :, :n])
+        assert self._k is not None and other._k is not None
+        self.place(
+            [
+                (self.keys, self.values, self._k.shape[0], width),
+                (other.keys, other.values, other._k.shape[0], width),
+            ],
+            width,
+        )
+
+    def place(
+        self, parts: list[tuple[Any, Any, int, int]], width: int, like: torch.Tensor | None = None
+    ) -> None:
+        """New buffers of ``width`` positions (and room) holding ``parts`` one below the other, each
+        ``(keys, values, rows, end)``: ``rows`` rows (keys and values broadcast to them; None when
+        nothing is cached) whose positions end at column ``end``, zeros to their left. Columns from
+        ``end`` to ``width`` are left for the next update to write (a ragged step's). ``like``: a
+        ``[.., kv_heads, .., head_dim]`` tensor of the dtype to store (for a layer still empty)."""
+        shaped = next((p[0] for p in parts if p[0] is not None), None)
+        shaped = shaped if shaped is not None else like if like is not None else self._k
+        assert shaped is not None, "place needs a tensor of the cache's shape"
+        dtype = self.store or (self._k.dtype if self._k is not None else shaped.dtype)
+        if not self.is_initialized:
+            self.lazy_initialization(shaped[:0], shaped[:0])
+        total = sum(p[2] for p in parts)
+        for i, name in ((0, "_k"), (1, "_v")):
+            out = shaped.new_empty(total, shaped.shape[1], width + ROOM, shaped.shape[3], dtype=dtype)
+            top = 0
+            for part in parts:
+                source, rows, end = part[i], part[2], part[3]
+                n = 0 if source is None else source.shape[2]
+                out[top : top + rows, :, : end - n].zero_()
+                if n:
+                    out[top : top + rows, :, end - n : end].copy_(source)
+                top += rows
             setattr(self, name, out)
         self._nk = self._nv = width
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ragged is not None:
+            return self._scatter(self.ragged, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self._k is None or self._v is None:
@@ -92,6 +150,24 @@ class GrowingLayer(DynamicLayer):
             keys = torch.cat([self.keys, key_states], dim=2)  # type: ignore[list-item]
             values = torch.cat([self.values, value_states], dim=2)  # type: ignore[list-item]
             self.keys, self.values = keys, values
+        return self.keys, self.values  # type: ignore[return-value]
+
+    def _scatter(
+        self, plan: Ragged, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a ragged step's ``[1, kv_heads, tokens, dim]`` keys and values where ``plan`` says
+        (the buffers were laid out by :meth:`place` for it)."""
+        for buffer, new in ((self._k, key_states), (self._v, value_states)):
+            assert buffer is not None and buffer.shape[2] >= plan.width
+            if plan.rows:
+                buffer[: plan.rows, :, plan.width - 1].copy_(new[0, :, : plan.rows].transpose(0, 1))
+            at = plan.rows
+            for seg in plan.segments:
+                buffer[seg.row : seg.row + seg.n, :, plan.width - seg.tokens : plan.width].copy_(
+                    new[:, :, at : at + seg.tokens]
+                )
+                at += seg.tokens
+        self._nk = self._nv = plan.width
         return self.keys, self.values  # type: ignore[return-value]
 
 

@@ -10,11 +10,16 @@ model stays the source of the weights (``load_adapter`` / ``delete_adapter``, th
 On the CPU the stacks stay in float32 whatever the base's dtype: torch's CPU batched matmuls of
 these small shapes were 3x slower in bfloat16 (20 ms of a SmolLM2 step at 8 rows against 6-7 in
 float32), and the low-rank term then loses nothing to rounding.
+
+In a ragged step (the engine's running rows and joining prompts as one flattened sequence
+``[1, tokens, in]``) the first tokens are the batch rows', one each, and each joining prompt's
+tokens follow on its own adapter (``select(adapters, segments)``).
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,6 +44,7 @@ class StackedLora:
         self.names: list[str] = []
         self.slots = torch.zeros(0, dtype=torch.long)  # per row; len(names) = the bare weights
         self.single: int | None = None  # every row on one slot: a plain matmul, no gather
+        self.segments: list[tuple[int, int, int]] = []  # a ragged step's prompts: (slot, start, end)
         self.version = 0  # bumped when the rows' slots or the stacks change: gathers are redone
         self.layers = lora_linears(model)
         for layer in self.layers:
@@ -80,9 +86,14 @@ class StackedLora:
             raise NimmerError(f"no adapter {adapter!r} is loaded; loaded: {', '.join(self.names) or 'none'}")
         return self.names.index(adapter)
 
-    def select(self, adapters: list[str | None]) -> None:
-        """The adapter of each row of the next forward passes (None: the bare weights)."""
+    def select(self, adapters: list[str | None], segments: Sequence[tuple[str | None, int]] = ()) -> None:
+        """The adapter of each row of the next forward passes (None: the bare weights); with
+        ``segments`` (adapter, tokens), a ragged forward: one token per row, then each segment's."""
         slots = [self.slot(a) for a in adapters]
+        self.segments, start = [], len(slots)
+        for adapter, tokens in segments:
+            self.segments.append((self.slot(adapter), start, start + tokens))
+            start += tokens
         if slots == self.slots.tolist():
             return  # the same rows as the last step: each layer's gathered stacks still hold
         self.slots = torch.tensor(slots, dtype=torch.long)
@@ -93,12 +104,30 @@ class StackedLora:
 def _stacked_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     result = self.base_layer(x, *args, **kwargs)
     stacked: StackedLora = self.stacked
+    if not stacked.segments:
+        delta = _rows_delta(self, stacked, x)
+        return result if delta is None else result + delta.to(result.dtype)
+    flat, out, rows = x[0], result[0], len(stacked.slots)  # a ragged step: [1, tokens, features]
+    if rows:
+        delta = _rows_delta(self, stacked, flat[:rows, None])
+        if delta is not None:
+            out[:rows] += delta[:, 0].to(out.dtype)
+    for slot, start, end in stacked.segments:
+        if slot != len(stacked.names):
+            a, b = self.stacked_a[slot], self.stacked_b[slot]
+            out[start:end] += ((flat[start:end].to(a.dtype) @ a.T) @ b.T).to(out.dtype)
+    return result
+
+
+def _rows_delta(self: Any, stacked: StackedLora, x: torch.Tensor) -> torch.Tensor | None:
+    """The low-rank term of ``x`` ``[rows, tokens, in]``, each row on its selected slot (None:
+    every row on the bare weights)."""
     bare = len(stacked.names)
     if stacked.single is not None:
         if stacked.single == bare:
-            return result
+            return None
         a, b = self.stacked_a[stacked.single], self.stacked_b[stacked.single]
-        return result + ((x.to(a.dtype) @ a.T) @ b.T).to(result.dtype)
+        return (x.to(a.dtype) @ a.T) @ b.T
     if getattr(self, "gathered_version", None) != stacked.version:  # once per batch composition
         self.gathered = (  # [B, in, r], [B, r, out]
             self.stacked_a[stacked.slots].transpose(1, 2).contiguous(),
@@ -107,5 +136,4 @@ def _stacked_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> t
         self.gathered_version = stacked.version
     a, b = self.gathered
     flat = x.to(a.dtype).reshape(x.shape[0], -1, x.shape[-1])
-    delta = torch.bmm(torch.bmm(flat, a), b)
-    return result + delta.reshape(result.shape).to(result.dtype)
+    return torch.bmm(torch.bmm(flat, a), b).reshape(*x.shape[:-1], -1)
