@@ -438,11 +438,9 @@ class Engine:
             self.cache, rows = growing_cache(self.inner.config, self.kv_dtype), 0
         width = max([len(j.prompt) for j in jobs] + ([old.shape[1] + 1] if rows and old is not None else []))
         layers = self.cache.layers
-        parts: list[list[tuple[Any, Any, int, int]]] = [[] for _ in layers]
+        parts: list[list[tuple[Any, Any, int, int]]] = [[] for _ in layers]  # the joining rows'
         masks, ids, positions, segments = [], [r.ids[-1] for r in self.rows], [], []
-        if rows and old is not None:
-            for layer, part in zip(layers, parts, strict=True):
-                part.append((layer.keys, layer.values, rows, width - 1))
+        if rows and old is not None:  # the running rows keep their place, their next column free
             masks.append(_pad_left(torch.cat([old, old.new_ones(rows, 1)], dim=1), width, 1))
             positions = old.sum(dim=1).tolist()
         row = rows
@@ -461,7 +459,7 @@ class Engine:
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         like = torch.empty(0, config.num_key_value_heads, 0, dim, dtype=self.kv_dtype or self.inner.dtype)
         for layer, part in zip(layers, parts, strict=True):
-            layer.place(part, width, like)
+            layer.extend(part, width, own_end=width - 1, like=like)
         self.mask = torch.cat(masks)
         plan = Ragged(
             rows, tuple(segments), width, self.mask[:rows].bool()[:, None, None, :] if rows else None
@@ -533,6 +531,9 @@ class Engine:
         start = int(mask.any(dim=0).int().argmax())
         self.mask = mask[:, start:]
         for layer in self.cache.layers:
+            if hasattr(layer, "keep_rows"):  # kv_cache.GrowingLayer: in place
+                layer.keep_rows(keep, start)
+                continue
             layer.keys = layer.keys.index_select(0, index)[:, :, start:]
             layer.values = layer.values.index_select(0, index)[:, :, start:]
 

@@ -151,6 +151,67 @@ def test_a_seeded_request_says_the_same_alone_and_in_a_mixed_batch(model: LocalM
     assert batched_steps < sum(k.max_new_tokens for k in (KNOBS * 2))  # rows shared the steps
 
 
+def test_a_prompt_joining_in_the_running_rows_forward_gives_the_logits_of_its_own_prefill(
+    model: LocalModel,
+) -> None:
+    """The ragged step (joining prompts computed in the running rows' forward: each prompt's
+    cached prefix laid out in place, per-segment causal attention and LoRA) against the separate
+    prefill and merge it replaced, for every row and token: a LoRA row, a bare prompt with n=2,
+    then, while they decode, a prompt whose prefix is cached and one with a grammar."""
+    engine = model.engine
+    assert engine.ragged  # the CPU attention on a Llama: the engine's path here
+    knobs = SamplingKnobs(1.0, 1.0, 0, 1.0, 0.0, max_new_tokens=40)
+    other = [MESSAGES[0], {"role": "user", "content": "Speak of the water."}]
+
+    def run(ragged: bool) -> tuple[dict[tuple[int, int, int], torch.Tensor], int]:
+        first, second = (
+            [model.prepare(m, r, knobs, g, seed, sink=lambda e: None, n=n) for m, r, g, seed, n in jobs]
+            for jobs in (
+                [(MESSAGES, model.registers[0], None, 10, 1), (other, None, None, 20, 2)],
+                [(other, model.registers[0], None, 30, 1), (MESSAGES, model.registers[1], SCHEMA, 40, 1)],
+            )
+        )
+        seen, choose, hits = {}, engine._choose, engine.prefixes.hits
+
+        def record(rows: list[Any], logits: torch.Tensor) -> list[int]:
+            for row, row_logits in zip(rows, logits, strict=True):
+                seen[(row.job.seeds[0], row.choice, len(row.ids))] = row_logits.clone()
+            return choose(rows, logits)
+
+        engine._choose, engine.ragged = record, ragged  # type: ignore[method-assign]
+        engine.prefixes.clear()
+        try:
+            if ragged:  # the second pair joins in a step that also decodes the first
+                engine._step(first)
+                for joining in ([], [], [], second, [], []):
+                    engine._step(joining)
+            else:
+                for job in first:
+                    engine._prefill(job)
+                for _ in range(3):
+                    engine._step([])
+                for job in second:
+                    engine._prefill(job)
+                for _ in range(3):
+                    engine._step([])
+        finally:
+            del engine._choose
+            engine.ragged, engine.rows, engine.cache, engine.mask = True, [], None, None
+        return seen, engine.prefixes.hits - hits
+
+    assert not engine.rows
+    want, want_hits = engine.call(lambda: run(False)).result()
+    got, got_hits = engine.call(lambda: run(True)).result()
+    assert got_hits == want_hits == 1  # the third prompt reused the first's cached prefix
+    common = got.keys() & want.keys()
+    # every row's first token, and the first pair's tokens before, at and after the join
+    assert {(10, 0, 0), (20, 0, 0), (20, 1, 0), (30, 0, 0), (40, 0, 0), (10, 0, 4), (10, 0, 6)} <= common
+    for key in sorted(common):
+        torch.testing.assert_close(
+            got[key], want[key], rtol=1e-4, atol=1e-4, msg=lambda m, k=key: f"{k}: {m}"
+        )
+
+
 def test_requests_join_a_running_batch_and_cancelled_rows_leave(model: LocalModel) -> None:
     long_knobs = SamplingKnobs(1.0, 1.0, 0, 1.0, 0.0, max_new_tokens=200)
     first: queue.Queue = queue.Queue()

@@ -1,5 +1,6 @@
 """The engine's growing KV cache gives the logits transformers' own DynamicCache gives: prefill,
-decode steps past the buffer's room, rows selected out, and a cache assigned from outside."""
+decode steps past the buffer's room, rows selected out, and a cache assigned from outside; a
+ragged step's rows join in place where there is room and leaving rows move only those below."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from nimmer_train.runtime.decode_attention import use_decode_attention
-from nimmer_train.runtime.kv_cache import ROOM, GrowingLayer, growing_cache
+from nimmer_train.runtime.kv_cache import ROOM, GrowingLayer, Ragged, Segment, growing_cache
 
 
 def _model() -> LlamaForCausalLM:
@@ -68,7 +69,7 @@ def test_growing_cache_decodes_as_dynamic_cache_does() -> None:
     for a, b in zip(want, got, strict=True):
         torch.testing.assert_close(a, b)
     layer = cache.layers[0]
-    assert layer._k is not None and layer._k.shape[2] > layer.keys.shape[2]  # room to grow in place
+    assert layer._k is not None and layer._k.buf.shape[2] > layer.keys.shape[2]  # room to grow in place
 
 
 def test_a_layer_assigned_from_outside_keeps_what_it_was_given() -> None:
@@ -117,7 +118,7 @@ def test_join_stacks_two_batches_left_padded_in_one_buffer_with_room() -> None:
 
     torch.testing.assert_close(top.keys, torch.cat([padded(a), padded(b)]), rtol=0, atol=0)
     torch.testing.assert_close(top.values, torch.cat([padded(a + 1), padded(b + 1)]), rtol=0, atol=0)
-    assert top._k is not None and top._k.shape[2] == width + ROOM  # room to decode in place
+    assert top._k is not None and top._k.buf.shape[2] == width + ROOM  # room to decode in place
     more = torch.randn(3, 2, 1, 4)
     top.is_initialized = True
     k, _ = top.update(more, more)
@@ -136,3 +137,59 @@ def test_a_cache_can_store_its_keys_and_values_in_float32_for_a_bfloat16_model()
         step = torch.randn(2, 2, 1, 8, dtype=torch.bfloat16)
         layer.update(step, step)
         assert layer.keys.dtype == torch.float32 and layer.keys.shape[2] == 7
+
+
+def test_ragged_joins_write_in_place_where_there_is_room_and_leaving_rows_move_only_those_below() -> None:
+    layer = GrowingLayer()
+    running = torch.randn(3, 2, 5, 4)  # a batch of 3 rows, 5 positions, assigned from outside
+    layer.keys, layer.values = running, -running
+    layer.is_initialized = True
+
+    def step(width: int, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ragged step's writes: each running row's next position, then the segment's tokens."""
+        rows = seg.row
+        new = torch.randn(1, 2, rows + seg.tokens, 4)
+        layer.ragged = Ragged(rows, (seg,), width, None)
+        keys, values = layer.update(new, -new)
+        layer.ragged = None
+        torch.testing.assert_close(values, -keys, rtol=0, atol=0)
+        return new[0].transpose(0, 1), keys  # [tokens, heads, dim]
+
+    # two choices of a 5-token prompt join, 2 positions cached: no room for rows, new buffers
+    prefix = torch.randn(1, 2, 2, 4)
+    layer.extend([(prefix, -prefix, 2, 6 - 3)], 6, own_end=5)
+    new, keys = step(6, Segment(3, 2, 3, 5))
+    want = torch.zeros(5, 2, 6, 4)
+    want[:3, :, :5], want[:3, :, 5] = running, new[:3]
+    want[3:, :, 1:3], want[3:, :, 3:] = prefix, new[3:].transpose(0, 1)
+    torch.testing.assert_close(keys, want, rtol=0, atol=0)
+    buffer = layer._k.buf if layer._k is not None else None
+    assert buffer is not None and buffer.shape[0] > 5  # room for more rows
+
+    # a 4-token prompt, nothing cached, joins with room: written in place, no running row moved
+    layer.extend([(None, None, 1, 7 - 4)], 7, own_end=6)
+    new, keys = step(7, Segment(5, 1, 4, 4))
+    assert layer._k is not None and layer._k.buf is buffer
+    want = torch.cat([want, torch.zeros(5, 2, 1, 4)], dim=2)
+    want[:, :, 6] = new[:5]
+    want = torch.cat([want, torch.zeros(1, 2, 7, 4)])
+    want[5, :, 3:] = new[5:].transpose(0, 1)
+    torch.testing.assert_close(keys, want, rtol=0, atol=0)
+
+    # the first rows leave and row 4; the first column is padding for the two left: trimmed,
+    # they move up (over positions 1 to 6 only), nothing else is copied
+    layer.keep_rows([3, 5], 1)
+    want = want[[3, 5], :, 1:]
+    torch.testing.assert_close(layer.keys, want, rtol=0, atol=0)
+    torch.testing.assert_close(layer.values, -want, rtol=0, atol=0)
+    assert layer._k is not None and layer._k.buf is buffer and buffer[0, :, 0].any()  # stale there
+
+    # a prompt longer than the batch: the window widens to the left over the trimmed column,
+    # which holds stale positions: zeros now
+    layer.extend([(None, None, 1, 8 - 8)], 8, own_end=7)
+    new, keys = step(8, Segment(2, 1, 8, 8))
+    assert layer._k is not None and layer._k.buf is buffer
+    assert not keys[:2, :, 0].any()
+    torch.testing.assert_close(keys[:2, :, 1:7], want, rtol=0, atol=0)
+    torch.testing.assert_close(keys[:2, :, 7], new[:2], rtol=0, atol=0)
+    torch.testing.assert_close(keys[2], new[2:].transpose(0, 1), rtol=0, atol=0)
