@@ -18,6 +18,7 @@ from jsonschema import validate
 
 from nimmer_train import cli
 from nimmer_train.errors import NimmerError
+from nimmer_train.runtime import stacked_lora
 from nimmer_train.runtime.engine import Delta, Done, Event, Failed, Job, _safe_end
 from nimmer_train.runtime.local_model import EngineSettings, LocalModel, native_bf16, serving_dtype
 from nimmer_train.runtime.rings import RingA
@@ -83,11 +84,17 @@ def model(published: tuple[Path, Path]) -> LocalModel:
     m.close()
 
 
-def test_stacked_lora_equals_peft_mixed_batches(published: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize(
+    "dense_max", [stacked_lora.DENSE_MAX, 0], ids=["every-adapter-masked", "per-row-gather"]
+)
+def test_stacked_lora_equals_peft_mixed_batches(
+    published: tuple[Path, Path], dense_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from nimmer_train.publish.signing import Keyring
     from nimmer_train.publish.versions import load_verified, open_version
     from nimmer_train.runtime.stacked_lora import StackedLora
 
+    monkeypatch.setattr(stacked_lora, "DENSE_MAX", dense_max)
     releases, trusted = published
     peft, _ = load_verified(open_version(releases, "v1", Keyring.load(trusted)))
     names = ["__base__", "caste-preacher", "drunk-scavenger", "hivemind-broadcast", "caste-preacher"]
@@ -101,6 +108,20 @@ def test_stacked_lora_equals_peft_mixed_batches(published: tuple[Path, Path]) ->
     assert torch.allclose(mine, reference, atol=1e-4)
     assert not torch.allclose(reference[0], reference[2], atol=1e-3)  # the registers differ
     assert not torch.allclose(bare[0], reference[0], atol=1e-3)
+    assert all((layer.dense is not None) == bool(dense_max) for layer in stacked.layers)
+    # a ragged step's flattened tokens: one per row (3 rows), then two joining prompts' (5 and 4)
+    layer = stacked.layers[0]
+    rows, joining = ["caste-preacher", None, "drunk-scavenger"], [("drunk-scavenger", 5), (None, 4)]
+    per_token = [*rows, *(a for a, n in joining for _ in range(n))]
+    x = torch.randn(1, len(per_token), layer.in_features, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        stacked.select(rows, joining)
+        got = layer(x)[0]
+        names = ["__base__" if a is None else a for a in per_token]
+        want = type(layer).forward(layer, x[0][:, None], adapter_names=names)[:, 0]  # PEFT's own
+        stacked.select(rows)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(want[3], layer.base_layer(x[0][3]), atol=1e-3)  # a LoRA token
 
 
 def _collect(model: LocalModel, jobs: list[Job], events: list[queue.Queue]) -> list[list[Event]]:
