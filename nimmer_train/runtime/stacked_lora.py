@@ -140,6 +140,9 @@ def _stacked_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> t
         rank, down, up = self.dense
         flat = x.reshape(-1, x.shape[-1]).to(down.dtype)
         low = (flat @ down).mul_(stacked.mask(rank, flat.shape[0], down.dtype))
+        if result.dtype == up.dtype and result.is_contiguous():  # the base's fresh output, in place
+            result.view(-1, result.shape[-1]).addmm_(low, up)
+            return result
         return result + (low @ up).reshape(result.shape).to(result.dtype)
     if not stacked.segments:
         delta = _rows_delta(self, stacked, x)
