@@ -322,8 +322,10 @@ class Engine:
             self._purge()
             room, tokens = self.max_batch - len(self.rows), 0
             while self.waiting and self.waiting[0].n <= room:
-                if self.rows and tokens and tokens + len(self.waiting[0].prompt) > self.max_prefill_tokens:
-                    break  # a long prefill stalls every running row: the rest join at the next step
+                over = tokens and tokens + len(self.waiting[0].prompt) > self.max_prefill_tokens
+                if over and (self.rows or self.ragged):
+                    break  # a long prefill stalls every running row (a ragged step computes the
+                    # prompts in one forward): the rest join at the next step
                 job = self.waiting.popleft()
                 if job.cancelled:
                     continue
@@ -379,6 +381,8 @@ class Engine:
             finally:
                 for layer in cache.layers:
                     layer.ragged = None
+                if self.lora is not None:
+                    self.lora.clear_segments()
             return out.logits[0].float()
         out = self.inner(
             input_ids=ids,

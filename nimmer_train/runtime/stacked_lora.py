@@ -118,15 +118,28 @@ class StackedLora:
         self.masks = {}
         self.version += 1
 
+    def layout(self, tokens: int) -> list[tuple[int, int, int]]:
+        """A ragged forward's segments as a layer sees them, ``tokens`` positions: all of them,
+        or, past ``logits_to_keep`` (a LoRA on the output layer), one per segment (its last)."""
+        rows = len(self.slots)
+        if self.segments and tokens == rows + len(self.segments):
+            return [(slot, rows + i, rows + i + 1) for i, (slot, _, _) in enumerate(self.segments)]
+        return self.segments
+
+    def clear_segments(self) -> None:
+        """Back to one token layout per row (after a ragged forward)."""
+        if self.segments:
+            self.segments, self.masks = [], {}
+
     def mask(self, rank: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
         """The dense path's ``[tokens, adapters x rank]`` mask: ones on each token's adapter block
         (the rows' tokens, each row's ``tokens / rows`` in a row, then each segment's)."""
         mask = self.masks.get((rank, tokens))
         if mask is None:
-            rows = len(self.slots)
-            per_row = (tokens - sum(end - start for _, start, end in self.segments)) // max(1, rows)
+            rows, segments = len(self.slots), self.layout(tokens)
+            per_row = (tokens - sum(end - start for _, start, end in segments)) // max(1, rows)
             slots = [self.slots.repeat_interleave(per_row)]
-            slots += [torch.full((end - start,), slot) for slot, start, end in self.segments]
+            slots += [torch.full((end - start,), slot) for slot, start, end in segments]
             block = torch.arange(len(self.names) * rank) // rank  # the adapter of each column
             mask = (torch.cat(slots)[:, None] == block[None, :]).to(dtype)
             self.masks[(rank, tokens)] = mask
@@ -152,7 +165,7 @@ def _stacked_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> t
         delta = _rows_delta(self, stacked, flat[:rows, None])
         if delta is not None:
             out[:rows] += delta[:, 0].to(out.dtype)
-    for slot, start, end in stacked.segments:
+    for slot, start, end in stacked.layout(flat.shape[0]):
         if slot != len(stacked.names):
             a, b = self.stacked_a[slot], self.stacked_b[slot]
             out[start:end] += ((flat[start:end].to(a.dtype) @ a.T) @ b.T).to(out.dtype)

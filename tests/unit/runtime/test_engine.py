@@ -119,8 +119,12 @@ def test_stacked_lora_equals_peft_mixed_batches(
         got = layer(x)[0]
         names = ["__base__" if a is None else a for a in per_token]
         want = type(layer).forward(layer, x[0][:, None], adapter_names=names)[:, 0]  # PEFT's own
+        # a LoRA on the output layer sees only the kept positions: each row's, each prompt's last
+        kept = [0, 1, 2, 3 + 5 - 1, 3 + 5 + 4 - 1]
+        got_kept = layer(x[:, kept])[0]
         stacked.select(rows)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_kept, want[kept], rtol=1e-4, atol=1e-5)
     assert not torch.allclose(want[3], layer.base_layer(x[0][3]), atol=1e-3)  # a LoRA token
 
 
@@ -231,6 +235,34 @@ def test_a_prompt_joining_in_the_running_rows_forward_gives_the_logits_of_its_ow
         torch.testing.assert_close(
             got[key], want[key], rtol=1e-4, atol=1e-4, msg=lambda m, k=key: f"{k}: {m}"
         )
+
+
+def test_joining_prompts_are_capped_per_step_even_on_an_idle_engine(
+    model: LocalModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, joins = model.engine, []
+    original = engine._join
+    monkeypatch.setattr(engine, "_join", lambda jobs: (joins.append(len(jobs)), original(jobs))[1])
+
+    def together(cap: int) -> list[int]:
+        """Three requests queued while the decode thread is held, then let go at once."""
+        joins.clear()
+        monkeypatch.setattr(engine, "max_prefill_tokens", cap)
+        gate = threading.Event()
+        held = engine.call(gate.wait)
+        pairs = [_job(model, i) for i in range(3)]
+        for job, _ in pairs:
+            engine.submit(job)
+        gate.set()
+        held.result()
+        for _, q in pairs:
+            while not isinstance(q.get(timeout=600), Done | Failed):  # a hang guard only
+                pass
+        return list(joins)
+
+    assert together(4096) == [3]  # one ragged step computes the three prompts
+    prompt = len(_job(model, 0)[0].prompt)
+    assert together(prompt + 1) == [1, 1, 1]  # a budget of one prompt: one a step
 
 
 def test_requests_join_a_running_batch_and_cancelled_rows_leave(model: LocalModel) -> None:
