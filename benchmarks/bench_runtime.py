@@ -18,7 +18,10 @@ first, and each level runs at least 6 turns per client (so the ramp up and the d
 when fewer than ``c`` clients are left, weigh little). On the real base (SmolLM2-135M) the table
 runs in float32 and, where the CPU multiplies bfloat16 natively (AMX or AVX512-BF16), again with
 both paths in bfloat16 (``EngineSettings.dtype``). Both paths in-process (no HTTP), one run, so the
-ratios share whatever load the machine has; the load average is reported beside them.
+ratios share whatever load the machine has; the load average is reported beside them. This VM's
+speed drifts by a third over minutes, so the levels the ratios use (1 and 8) are measured twice,
+the second time in reverse order after the sweep (1, 2, 4, 8, 16, then 8, 1; on SmolLM2 1, 8,
+8, 1), and each figure pools both runs (turns over total wall time, percentiles over all turns).
 
     python -m benchmarks.bench_runtime [--smoke]
 """
@@ -124,7 +127,8 @@ def _workload(registers: list[str], tokens: int, turns: int) -> list[tuple[Any, 
 
 
 def _closed_loop(turn: Any, work: list[tuple[Any, ...]], concurrency: int) -> dict[str, Any]:
-    """Run ``work`` with ``concurrency`` closed-loop clients; ``turn(item)`` -> (tokens, ttft_s)."""
+    """Run ``work`` with ``concurrency`` closed-loop clients; ``turn(item)`` -> (tokens, ttft_s).
+    The figures, and under ``"raw"`` what :func:`_pooled` needs to combine runs."""
     items: queue.Queue = queue.Queue()
     for item in work:
         items.put(item)
@@ -151,14 +155,31 @@ def _closed_loop(turn: Any, work: list[tuple[Any, ...]], concurrency: int) -> di
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    latencies.sort()
+    return _figures(wall, latencies, tokens, ttfts)
+
+
+def _figures(wall: float, latencies: list[float], tokens: list[int], ttfts: list[float]) -> dict[str, Any]:
+    latencies = sorted(latencies)
     return {
-        "turns_per_s": round(len(work) / wall, 3),
+        "turns_per_s": round(len(latencies) / wall, 3),
         "tokens_per_s": round(sum(tokens) / wall, 1),
         "p50_s": round(statistics.median(latencies), 4),
         "p95_s": round(latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))], 4),
         "ttft_p50_s": round(statistics.median(ttfts), 4) if ttfts else None,
+        "raw": (wall, latencies, tokens, ttfts),
     }
+
+
+def _pooled(*runs: dict[str, Any]) -> dict[str, Any]:
+    """One level's figures over several runs: turns over their total wall time, percentiles over
+    all their turns."""
+    walls, latencies, tokens, ttfts = zip(*(r["raw"] for r in runs), strict=True)
+    return _figures(
+        sum(walls),
+        [x for r in latencies for x in r],
+        [x for r in tokens for x in r],
+        [x for r in ttfts for x in r],
+    )
 
 
 def _table(
@@ -170,12 +191,14 @@ def _table(
     n: int,
     per_client: int = 6,
     dtype: str = "float32",
+    again: tuple[int, ...] = (),
 ) -> dict[str, dict[str, Any]]:
     """Batched and serial figures per concurrency level on version v1 of ``releases``: at least
     ``turns`` turns per level and ``per_client`` per client, so that the ramp up and the drain at
     the end (fewer clients than ``c`` left) weigh little. Both paths are warmed first on every
     register with and without the schema (grammars, each prompt's cached prefix, kernels). Both
-    paths hold the weights in ``dtype``."""
+    paths hold the weights in ``dtype``. The levels ``again`` are measured a second time after the
+    sweep, in reverse order, each figure pooling both runs (``runs``: 2)."""
     from nimmer_train.runtime.engine import Delta, Done, Failed
     from nimmer_train.runtime.local_model import EngineSettings, LocalModel
 
@@ -205,14 +228,23 @@ def _table(
 
     for fn in (batched, one_at_a_time):
         _closed_loop(fn, work[: 2 * len(registers)], 1)
-    table: dict[str, dict[str, Any]] = {}
-    for c in levels:
+    runs: dict[int, list[tuple[dict[str, Any], dict[str, Any], int, int]]] = {}
+    for c in [*levels, *reversed(again)]:
         steps, rows = sizes.n, sizes.total
         work = _workload(list(registers), n, max(turns, per_client * c))
         b = _closed_loop(batched, work, c)
-        b["mean_batch"] = round((sizes.total - rows) / max(1, sizes.n - steps), 2)
-        table[f"c{c}"] = {"batched": b, "serial": _closed_loop(one_at_a_time, work, c)}
+        runs.setdefault(c, []).append(
+            (b, _closed_loop(one_at_a_time, work, c), sizes.n - steps, sizes.total - rows)
+        )
     model.close()
+    table: dict[str, dict[str, Any]] = {}
+    for c in levels:
+        b, s = _pooled(*(r[0] for r in runs[c])), _pooled(*(r[1] for r in runs[c]))
+        b["mean_batch"] = round(sum(r[3] for r in runs[c]) / max(1, sum(r[2] for r in runs[c])), 2)
+        for figures in (b, s):
+            figures.pop("raw")
+            figures["runs"] = len(runs[c])
+        table[f"c{c}"] = {"batched": b, "serial": s}
     return table
 
 
@@ -272,17 +304,21 @@ def run(smoke: bool = False) -> dict[str, object]:
     real: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         releases, trusted = publish_registers(Path(tmp), registers, shape, vocab=512 if smoke else 4096)
-        table = _table(releases, trusted, registers, levels, turns, tokens, per_client)
+        table = _table(
+            releases, trusted, registers, levels, turns, tokens, per_client, again=(levels[0], int(top[1:]))
+        )
         if not smoke:  # the same on the real base: fewer, shorter turns (a 135M forward per token)
             base, why = _real_base(Path(tmp) / "artifacts")
             if base is None:
                 real = {"skipped": why}
             else:
                 releases, trusted = publish_registers(Path(tmp) / "real", registers, pretrained=base)
-                real_table = _table(releases, trusted, registers, (1, 8), 16, 32)
+                real_table = _table(releases, trusted, registers, (1, 8), 16, 32, again=(1, 8))
                 real = {**_ratios(real_table, "c8", "smollm2_"), "by_concurrency": real_table}
                 if native_bf16("cpu"):  # the same in bfloat16 (AMX or AVX512-BF16 here)
-                    bf16 = _table(releases, trusted, registers, (1, 8), 16, 32, dtype="bfloat16")
+                    bf16 = _table(
+                        releases, trusted, registers, (1, 8), 16, 32, dtype="bfloat16", again=(1, 8)
+                    )
                     real |= {**_ratios(bf16, "c8", "smollm2_bf16_"), "bfloat16_by_concurrency": bf16}
                 else:
                     real["bfloat16_by_concurrency"] = "skipped: this CPU has no native bfloat16 matmul"
@@ -300,6 +336,7 @@ def run(smoke: bool = False) -> dict[str, object]:
             "max_new_tokens": tokens,
             "schema_turns": "every other",
             "smollm2_135m": "levels 1 and 8, max(16, 6 per client) turns of <= 32 tokens, the same mix",
+            "order": "levels swept, then the ratio levels again, reversed (c1, c8: ABBA); figures pool both",
             "torch_threads": torch.get_num_threads(),
             "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         },
