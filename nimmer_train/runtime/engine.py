@@ -135,6 +135,14 @@ class _Row:
     finish: str | None = None
 
 
+def _rows_of(job: Job) -> list[_Row]:
+    """A job's rows (choices), each with its seeded generator and grammar."""
+    return [
+        _Row(job, i, torch.Generator().manual_seed(seed), grammar)
+        for i, (seed, grammar) in enumerate(zip(job.seeds, job.grammars, strict=True))
+    ]
+
+
 _RAGGED_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a ragged forward's mask argument (unused)
 
 
@@ -407,10 +415,7 @@ class Engine:
         self.prefixes.keep(
             job.adapter, job.prompt, [(layer.keys[:1], layer.values[:1]) for layer in cache.layers]
         )
-        rows = [
-            _Row(job, i, torch.Generator().manual_seed(seed), grammar)
-            for i, (seed, grammar) in enumerate(zip(job.seeds, job.grammars, strict=True))
-        ]
+        rows = _rows_of(job)
         tokens = self._choose(rows, logits)
         self._merge(cache, mask)
         self.rows.extend(rows)
@@ -485,10 +490,7 @@ class Engine:
                 for layer in layers
             ]
             self.prefixes.keep(job.adapter, job.prompt, prompt)
-            joined += [
-                _Row(job, c, torch.Generator().manual_seed(seed), grammar)
-                for c, (seed, grammar) in enumerate(zip(job.seeds, job.grammars, strict=True))
-            ]
+            joined += _rows_of(job)
             chosen.append(logits[rows + i].expand(job.n, -1))
         if rows:
             self.steps += 1
