@@ -35,12 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
-from nimmer_train.memory.agent_memory import AgentMemory
-from nimmer_train.memory.consolidation import consolidate
-from nimmer_train.memory.crystals import CrystalSpec
+from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.consolidation import consolidate
+from nimmer_train.agent.crystals import CrystalSpec
+from nimmer_train.agent.ingestion import Exchange, TranscriptIndexer, index_exchanges
+from nimmer_train.agent.search import SearchWeights
 from nimmer_train.memory.embedding import SentenceEmbedder
-from nimmer_train.memory.ingestion import Exchange, TranscriptIndexer, index_exchanges
-from nimmer_train.memory.search import SearchWeights
 
 DAY = 86400.0
 START = 1_800_000_000.0

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.consolidation import consolidate
+from nimmer_train.agent.crystals import CrystalSpec
+from nimmer_train.agent.dreams import MODES, DreamConfig, DreamEngine
 from nimmer_train.config.teacher import TeacherConfig
-from nimmer_train.memory.agent_memory import AgentMemory
-from nimmer_train.memory.consolidation import consolidate
-from nimmer_train.memory.crystals import CrystalSpec
-from nimmer_train.memory.dreams import MODES, DreamConfig, DreamEngine
 from nimmer_train.synth.teacher.backends import OpenAICompatible
 from tests.helpers.llm_server import serve
 from tests.helpers.memory import Clock, HashEmbedder

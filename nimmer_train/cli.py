@@ -437,13 +437,13 @@ def _memory_agent(args: argparse.Namespace) -> int:
         print(f"error: no agent folder at {args.agent_dir}", file=sys.stderr)
         return 2
     if args.command == "mcp":
-        from nimmer_train.memory.mcp_server import serve_stdio
+        from nimmer_train.agent.mcp_server import serve_stdio
 
         serve_stdio(args.agent_dir, watch=not args.no_watch)
         return 0
-    from nimmer_train.memory.agent_memory import AgentMemory
+    from nimmer_train.agent.agent_memory import AgentMemory
+    from nimmer_train.agent.scheduler import run_once
     from nimmer_train.memory.embedding import NoEmbedder
-    from nimmer_train.memory.scheduler import run_once
 
     agent = AgentMemory(args.agent_dir, NoEmbedder())  # consolidation reuses stored vectors
     try:

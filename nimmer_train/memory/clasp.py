@@ -61,8 +61,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from nimmer_train.artifacts import write_bytes_atomic
 from nimmer_train.errors import NimmerError
-from nimmer_train.memory.crystals import get_meta, set_meta
-from nimmer_train.memory.db import connect, migrate
+from nimmer_train.memory.db import connect, get_meta, migrate, set_meta
 from nimmer_train.memory.llm_config import KEY_FILE, device_secret
 from nimmer_train.memory.schema import CLASP_MIGRATIONS
 

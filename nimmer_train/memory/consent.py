@@ -6,7 +6,7 @@ than the one consented to; only categories the player shared and did not exclude
 clasp channel (it reads primary.sqlite only, and drops the clasp category there too); never
 the player's id or name (redacted from text and speaker); never an entry whose text holds
 several speakers' words (an episode crystal of a transcribed exchange, speaker
-:data:`~nimmer_train.memory.crystals.EXCHANGE_SPEAKER`): an example is one speaker's words, and
+:data:`~nimmer_train.memory.entries.EXCHANGE_SPEAKER`): an example is one speaker's words, and
 an episode's NPC reply must not leave as the player's (the NPC line is shared, if at all, as its
 own write-back entry, under the NPC's name).
 
@@ -30,8 +30,7 @@ from pathlib import Path
 from nimmer_train.artifacts import write_json_atomic
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory import contributions
-from nimmer_train.memory.crystals import EXCHANGE_SPEAKER
-from nimmer_train.memory.entries import DATA_CATEGORIES
+from nimmer_train.memory.entries import DATA_CATEGORIES, EXCHANGE_SPEAKER
 from nimmer_train.memory.player_memory import PlayerMemory
 from nimmer_train.privacy.anonymize import Upload, anonymize
 

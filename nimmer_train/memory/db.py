@@ -3,6 +3,7 @@ with sqlite-vec loaded, WAL journaling, and versioned schema migrations (PRAGMA 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,3 +61,13 @@ def integrity_ok(db: apsw.Connection) -> bool:
         return db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     except apsw.Error:
         return False
+
+
+def set_meta(db: apsw.Connection, key: str, value: object) -> None:
+    """One JSON value in a store's ``memory_meta`` table (migration marks, last runs)."""
+    db.execute("INSERT OR REPLACE INTO memory_meta VALUES (?, ?)", (key, json.dumps(value)))
+
+
+def get_meta(db: apsw.Connection, key: str, default: object = None) -> object:
+    row = db.execute("SELECT value FROM memory_meta WHERE key = ?", (key,)).fetchone()
+    return json.loads(row[0]) if row else default

@@ -57,6 +57,11 @@ class InvalidEntry(NimmerError):
     """An entry that cannot be stored; the message names the field. Nothing was written."""
 
 
+# The speaker of an episode whose text holds several speakers' lines (a player line and an NPC
+# reply): no one person said it, so consent's training export never shares it as anyone's words.
+EXCHANGE_SPEAKER = "exchange"
+
+
 @dataclass(frozen=True)
 class MemoryEntry:
     event_uid: str

@@ -23,7 +23,7 @@ from nimmer_train.memory.consent import (
 )
 from nimmer_train.memory.embedding import Embedder
 from nimmer_train.memory.entries import DATA_CATEGORIES, SEMANTIC_TYPES
-from nimmer_train.memory.knowledge import Canon, add_canon, set_districts
+from nimmer_train.memory.canon import Canon, add_canon, set_districts
 from nimmer_train.memory.player_memory import PRIMARY_FILE, Mode, PlayerMemory
 from nimmer_train.voice.traits import TRAIT_AXES
 

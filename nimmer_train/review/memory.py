@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from nimmer_train.agent.importance import importance, never_decays
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.consent import TRAINING_TIERS, get_consent, read_profile, training_examples
 from nimmer_train.memory.embedding import NoEmbedder
-from nimmer_train.memory.importance import importance, never_decays
 from nimmer_train.memory.player_memory import PRIMARY_FILE, Mode, PlayerMemory
 from nimmer_train.memory.sync import FALLBACK_FILE
 
@@ -127,7 +127,7 @@ def agent_crystals(folder: Path) -> pd.DataFrame | None:
     folder holds no agent."""
     if not (folder / PRIMARY_FILE).exists():
         return None
-    from nimmer_train.memory.agent_memory import AgentMemory
+    from nimmer_train.agent.agent_memory import AgentMemory
 
     agent = AgentMemory(folder, NoEmbedder())
     try:
@@ -154,7 +154,7 @@ def agent_status(folder: Path) -> dict[str, Any] | None:
     """``memory_status`` in real-world mode (the primary store only)."""
     if not (folder / PRIMARY_FILE).exists():
         return None
-    from nimmer_train.memory.agent_memory import AgentMemory
+    from nimmer_train.agent.agent_memory import AgentMemory
 
     agent = AgentMemory(folder, NoEmbedder())
     try:
@@ -187,7 +187,7 @@ def hormone_day(
     import sqlite3
     import tempfile
 
-    from nimmer_train.memory.hormones import HORMONES, STORE, Hormones, mood
+    from nimmer_train.agent.hormones import HORMONES, STORE, Hormones, mood
 
     with tempfile.TemporaryDirectory() as tmp:
         stored = None if agent_dir is None else agent_dir / STORE

@@ -114,9 +114,9 @@ Brother Anselm preaches at the salt steps every evening and distrusts the hivemi
 def agent_transcripts(folder: Path) -> Iterator[Any]:
     """The demo NPC agent's memory (issue 16) and a transcript indexer on it, for the runtime to
     queue its exchanges to; flushed and closed on exit."""
-    from nimmer_train.memory.agent_memory import AgentMemory
+    from nimmer_train.agent.agent_memory import AgentMemory
+    from nimmer_train.agent.ingestion import TranscriptIndexer
     from nimmer_train.memory.embedding import SentenceEmbedder
-    from nimmer_train.memory.ingestion import TranscriptIndexer
 
     folder.mkdir(parents=True, exist_ok=True)
     agent = AgentMemory(folder, SentenceEmbedder())
@@ -134,10 +134,10 @@ def agent_memory_session(folder: Path, turns: list[Turn]) -> dict[str, object]:
     runtime indexed the demo's turns as episodes (:func:`agent_transcripts`): its workspace notes
     are ingested, two directives (the second supersedes the first), a search, one consolidation;
     prints and returns ``memory_status``."""
-    from nimmer_train.memory.agent_memory import AgentMemory
-    from nimmer_train.memory.consolidation import consolidate
+    from nimmer_train.agent.agent_memory import AgentMemory
+    from nimmer_train.agent.consolidation import consolidate
+    from nimmer_train.agent.ingestion import ingest_workspace
     from nimmer_train.memory.embedding import SentenceEmbedder
-    from nimmer_train.memory.ingestion import ingest_workspace
 
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "MEMORY.md").exists():
@@ -173,8 +173,8 @@ DUSK_VISITS = (
 def agent_dream_session(folder: Path) -> list[str]:
     """The demo agent notes a habit (three visits at dusk), then dreams once (replay and
     compression, no LLM): prints and returns the cycle's insights (issue 17)."""
-    from nimmer_train.memory.agent_memory import AgentMemory
-    from nimmer_train.memory.dreams import DreamEngine, show_cycle
+    from nimmer_train.agent.agent_memory import AgentMemory
+    from nimmer_train.agent.dreams import DreamEngine, show_cycle
     from nimmer_train.memory.embedding import SentenceEmbedder
 
     agent = AgentMemory(folder, SentenceEmbedder())
@@ -246,7 +246,7 @@ def mood_turns(cfg: Config, model: LocalModel, folder: Path) -> list[Turn]:
     and eight game hours later, on a game clock of its own; prints each turn with its knobs."""
     from dataclasses import replace
 
-    from nimmer_train.memory.hormones import Hormones
+    from nimmer_train.agent.hormones import Hormones
 
     game = {"now": time.time() - 9 * 3600.0}  # so the day ends before now: the agent is at rest again
     hormones = Hormones(folder, lambda: game["now"])

@@ -122,7 +122,7 @@ class NpcRuntime:
         layer only for an in-process ring (``ring.local``; a ring that does not say is remote)."""
         if self.memory is None:
             return MemoryScope(layers=(), items=())
-        from nimmer_train.memory.knowledge import assemble
+        from nimmer_train.memory.canon import assemble
 
         budgets = dict(self.budgets)
         if ring.context_tokens:
@@ -196,7 +196,7 @@ class NpcRuntime:
         training export never shares such an entry. Its category is the write-back's
         (casual_dialog); the agent folder's own consent record governs it, which is the
         player's record only when the agent folder is the player's folder."""
-        from nimmer_train.memory.ingestion import Exchange
+        from nimmer_train.agent.ingestion import Exchange
         from nimmer_train.memory.player_memory import Mode
 
         store = "clasp" if mode is Mode.IN_BETWEEN else "primary"

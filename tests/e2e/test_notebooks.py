@@ -37,7 +37,7 @@ EXPECTED = {  # text each notebook's outputs must show
 
 def _memories(tiny_run: Path, root: Path) -> tuple[Path, Path]:
     """A simulated device's stores (copied) and an agent, each with a clasp marker and a primary one."""
-    from nimmer_train.memory.crystals import CrystalSpec
+    from nimmer_train.agent.crystals import CrystalSpec
     from nimmer_train.memory.player_memory import Mode, PlayerMemory
     from tests.helpers.memory import HashEmbedder, agent_memory
 

@@ -62,7 +62,7 @@ class CountingEmbedder(HashEmbedder):
 
 def agent_memory(folder, clock: Clock | None = None, embedder=None):  # noqa: ANN001, ANN201
     """An AgentMemory over ``folder`` with the hash embedder and a test clock."""
-    from nimmer_train.memory.agent_memory import AgentMemory
+    from nimmer_train.agent.agent_memory import AgentMemory
 
     return AgentMemory(folder, embedder or HashEmbedder(), clock=clock or Clock())
 

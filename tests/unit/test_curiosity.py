@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nimmer_train.agent import curiosity
+from nimmer_train.agent.consolidation import consolidate
+from nimmer_train.agent.crystals import CrystalSpec
 from nimmer_train.errors import NimmerError
-from nimmer_train.memory import curiosity
-from nimmer_train.memory.consolidation import consolidate
-from nimmer_train.memory.crystals import CrystalSpec
 from tests.helpers.memory import Clock, agent_memory
 
 HOUR = 3600.0
@@ -61,7 +61,7 @@ def test_three_low_searches_make_one_gap_resolve_removes_and_48h_expire(tmp_path
 
 
 def agent_targets(agent) -> list[dict]:  # noqa: ANN001
-    from nimmer_train.memory.crystals import get_meta
+    from nimmer_train.memory.db import get_meta
 
     return get_meta(agent.db("primary"), "curiosity_targets", [])  # type: ignore[return-value]
 

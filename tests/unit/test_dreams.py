@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from nimmer_train.config.teacher import TeacherConfig
-from nimmer_train.memory import curiosity
-from nimmer_train.memory.crystals import ACTIVE, CrystalSpec
-from nimmer_train.memory.dreams import (
+from nimmer_train.agent import curiosity
+from nimmer_train.agent.crystals import ACTIVE, CrystalSpec
+from nimmer_train.agent.dreams import (
     MODES,
     DreamConfig,
     DreamEngine,
@@ -27,7 +26,8 @@ from nimmer_train.memory.dreams import (
     select_modes,
     temperature,
 )
-from nimmer_train.memory.tools import memory_tools
+from nimmer_train.agent.tools import memory_tools
+from nimmer_train.config.teacher import TeacherConfig
 from nimmer_train.synth.teacher.backends import OpenAICompatible, Replay
 from tests.helpers.llm_server import LLMServer, serve
 from tests.helpers.memory import Clock, agent_memory

@@ -12,10 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nimmer_train.errors import NimmerError
-from nimmer_train.memory.consolidation import DEFAULT_POLICY, hormonal_policy
-from nimmer_train.memory.db import connect
-from nimmer_train.memory.hormones import (
+from nimmer_train.agent.consolidation import DEFAULT_POLICY, hormonal_policy
+from nimmer_train.agent.hormones import (
     EVENTS,
     HALF_LIFE_S,
     HORMONES,
@@ -25,7 +23,9 @@ from nimmer_train.memory.hormones import (
     Modulation,
     decay,
 )
-from nimmer_train.memory.importance import importance
+from nimmer_train.agent.importance import importance
+from nimmer_train.errors import NimmerError
+from nimmer_train.memory.db import connect
 from tests.helpers.memory import Clock, agent_memory
 
 T0 = 1_800_000_000.0

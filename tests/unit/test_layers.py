@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("tracking", "privacy", "backup"),
     ("memory",),  # the device's stores: consent anonymises A.2 uploads with privacy.anonymize
+    ("agent",),  # the agent runtime over the player's stores: crystals, search, dreams, tools
     ("corpus",),
     ("base",),
     ("synth",),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nimmer_train.memory.hormones import REST_TONE, Hormones
+from nimmer_train.agent.hormones import REST_TONE, Hormones
 from nimmer_train.runtime.local_model import LocalModel
 from nimmer_train.runtime.rings import RingA
 from nimmer_train.runtime.turn import NpcRuntime, TurnRequest

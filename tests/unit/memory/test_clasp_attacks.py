@@ -21,20 +21,20 @@ from pathlib import Path
 import apsw
 import pytest
 
+from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.consolidation import consolidate
+from nimmer_train.agent.ingestion import Exchange, TranscriptIndexer
+from nimmer_train.agent.scheduler import run_once
+from nimmer_train.agent.tools import memory_tools
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory import clasp, sync
-from nimmer_train.memory.agent_memory import AgentMemory
 from nimmer_train.memory.clasp import CLASP_FILE, LEGACY_FILE, MAGIC, open_clasp
 from nimmer_train.memory.consent import exclude
-from nimmer_train.memory.consolidation import consolidate
 from nimmer_train.memory.db import connect
-from nimmer_train.memory.ingestion import Exchange, TranscriptIndexer
 from nimmer_train.memory.llm_config import KEY_FILE, device_secret
 from nimmer_train.memory.player_memory import Mode, PlayerMemory
-from nimmer_train.memory.scheduler import run_once
 from nimmer_train.memory.schema import CLASP_MIGRATIONS
 from nimmer_train.memory.sync import FALLBACK_FILE, logout
-from nimmer_train.memory.tools import memory_tools
 from tests.helpers.memory import Clock, HashEmbedder, write_old_store
 
 EMBED = HashEmbedder()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nimmer_train.memory.crystals import (
+from nimmer_train.agent.crystals import (
     EDGES,
     LIFECYCLES,
     CrystalSpec,
@@ -18,8 +18,8 @@ from nimmer_train.memory.crystals import (
     infer_semantic_type,
     transition,
 )
+from nimmer_train.agent.importance import ImportancePolicy, importance, importance_many
 from nimmer_train.memory.db import connect
-from nimmer_train.memory.importance import ImportancePolicy, importance, importance_many
 from nimmer_train.memory.player_memory import PRIMARY_FILE, PlayerMemory
 from nimmer_train.memory.schema import PRIMARY_MIGRATIONS
 from tests.helpers.memory import Clock, HashEmbedder, agent_memory, write_v3_store

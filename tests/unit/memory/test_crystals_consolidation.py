@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nimmer_train.agent.consolidation import DEFAULT_POLICY, consolidate, minimal_pair
+from nimmer_train.agent.crystals import CrystalSpec
+from nimmer_train.agent.scheduler import ConsolidationScheduler, consolidation_lock, run_once
 from nimmer_train.cli import main as cli_main
-from nimmer_train.memory.consolidation import DEFAULT_POLICY, consolidate, minimal_pair
-from nimmer_train.memory.crystals import CrystalSpec
 from nimmer_train.memory.db import integrity_ok
-from nimmer_train.memory.scheduler import ConsolidationScheduler, consolidation_lock, run_once
 from tests.helpers import REPO
 from tests.helpers.memory import Clock, agent_memory
 from tests.helpers.merge_pairs import PARAPHRASES, RELATED
@@ -171,8 +171,8 @@ def test_a_kill_mid_consolidation_leaves_a_consistent_store(tmp_path: Path) -> N
         f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from nimmer_train.memory.consolidation import consolidate
-        from nimmer_train.memory.crystals import CrystalSpec
+        from nimmer_train.agent.consolidation import consolidate
+        from nimmer_train.agent.crystals import CrystalSpec
         from tests.helpers.memory import Clock, agent_memory
         clock = Clock()
         agent = agent_memory(__import__("pathlib").Path({str(tmp_path)!r}), clock)

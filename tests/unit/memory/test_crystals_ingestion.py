@@ -12,10 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nimmer_train.errors import NimmerError
-from nimmer_train.memory.consent import exclude, grant, training_examples, write_profile
-from nimmer_train.memory.crystals import CrystalSpec
-from nimmer_train.memory.ingestion import (
+from nimmer_train.agent.crystals import CrystalSpec
+from nimmer_train.agent.ingestion import (
     Exchange,
     IndexerClosed,
     TranscriptIndexer,
@@ -24,6 +22,8 @@ from nimmer_train.memory.ingestion import (
     ingest_file,
     ingest_workspace,
 )
+from nimmer_train.errors import NimmerError
+from nimmer_train.memory.consent import exclude, grant, training_examples, write_profile
 from nimmer_train.memory.player_memory import Mode
 from nimmer_train.memory.sync import open_player
 from nimmer_train.runtime.rings import RingReply
@@ -113,7 +113,7 @@ def test_invalid_utf8_and_binary_files_are_skipped_with_a_warning(tmp_path: Path
     (tmp_path / "memory" / "bad.md").write_bytes(b"caf\xe9 au lait\n")
     (tmp_path / "memory" / "blob.md").write_bytes(b"\x00\x01\x02binary")
     (tmp_path / "MEMORY.md").write_text("a good line\n")
-    with caplog.at_level(logging.WARNING, logger="nimmer_train.memory.ingestion"):
+    with caplog.at_level(logging.WARNING, logger="nimmer_train.agent.ingestion"):
         total = ingest_workspace(agent)
     assert total["skipped"] == 2 and total["added"] == 1
     messages = " ".join(r.getMessage() for r in caplog.records)
@@ -378,7 +378,7 @@ def test_a_bad_exchange_is_dropped_alone_with_its_reason(tmp_path: Path, caplog)
     indexer.submit(Exchange("s", ("t2",), (("player", "wrong category"),), 3.0, data_category="no-such"))
     indexer.submit(Exchange("s", ("t3",), (("player", "half a pair \ud83d here"),), 4.0))
     indexer.submit(Exchange("s", ("t4",), (("player", "after the bad one"),), 5.0))
-    with caplog.at_level(logging.WARNING, logger="nimmer_train.memory.ingestion"):
+    with caplog.at_level(logging.WARNING, logger="nimmer_train.agent.ingestion"):
         embedder.gate.set()
         assert indexer.flush(timeout=30)
     texts = _texts(agent)
@@ -417,7 +417,7 @@ def test_a_transient_failure_is_retried_and_a_lasting_one_dropped_after_three_tr
     embedder = _FailingEmbedder(10**6)
     agent = agent_memory(tmp_path / "always", embedder=embedder)
     indexer = TranscriptIndexer(agent, backoff_s=0.01)
-    with caplog.at_level(logging.ERROR, logger="nimmer_train.memory.ingestion"):
+    with caplog.at_level(logging.ERROR, logger="nimmer_train.agent.ingestion"):
         indexer.submit(Exchange("s", ("t1",), (("player", "lost"),), 1.0))
         assert indexer.flush(timeout=30)
     try:

@@ -7,6 +7,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nimmer_train.agent.consolidation import consolidate
+from nimmer_train.agent.crystals import CrystalSpec
+from nimmer_train.agent.ingestion import Exchange, index_exchanges
 from nimmer_train.memory.consent import (
     TIERS,
     ConsentRecord,
@@ -14,10 +17,7 @@ from nimmer_train.memory.consent import (
     shareable_categories,
     training_examples,
 )
-from nimmer_train.memory.consolidation import consolidate
-from nimmer_train.memory.crystals import CrystalSpec
 from nimmer_train.memory.entries import DATA_CATEGORIES
-from nimmer_train.memory.ingestion import Exchange, index_exchanges
 from nimmer_train.memory.player_memory import Mode
 from tests.helpers.memory import Clock, agent_memory
 

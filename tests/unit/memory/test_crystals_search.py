@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.crystals import CrystalSpec, supersede
+from nimmer_train.agent.search import SUPERSEDED, SearchWeights, fts_query, fuse, weighted
 from nimmer_train.errors import NimmerError
-from nimmer_train.memory.agent_memory import AgentMemory
-from nimmer_train.memory.crystals import CrystalSpec, supersede
 from nimmer_train.memory.db import connect
 from nimmer_train.memory.embedding import SentenceEmbedder
 from nimmer_train.memory.player_memory import PRIMARY_FILE, Mode
-from nimmer_train.memory.search import SUPERSEDED, SearchWeights, fts_query, fuse, weighted
 from tests.helpers.memory import Clock, agent_memory
 
 DISTRACTORS = [
@@ -242,7 +242,7 @@ def test_notes_are_searchable_at_once_and_directives_supersede(tmp_path: Path, m
     hits = {h["id"] for h in agent.memory_search("what should I call the user", min_score=-1)}
     assert first["id"] not in hits and second["id"] in hits and unrelated["id"] in hits
     # re-ingesting scratch.md changes nothing (the file is the source of truth)
-    from nimmer_train.memory.ingestion import ingest_file
+    from nimmer_train.agent.ingestion import ingest_file
 
     assert ingest_file(agent, "memory/scratch.md") == {"added": 0, "kept": 4, "expired": 0, "skipped": 0}
     agent.close()

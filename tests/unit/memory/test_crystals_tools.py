@@ -9,10 +9,10 @@ import anyio
 import pytest
 from mcp import Client
 
+from nimmer_train.agent.mcp_server import build_server
+from nimmer_train.agent.tools import Tool, ToolArgumentError, UnknownTool, memory_tools
 from nimmer_train.errors import NimmerError
-from nimmer_train.memory.mcp_server import build_server
 from nimmer_train.memory.player_memory import Mode
-from nimmer_train.memory.tools import Tool, ToolArgumentError, UnknownTool, memory_tools
 from tests.helpers.memory import agent_memory
 
 SEED_TOOLS = ["memory_search", "memory_get", "memory_status", "working_memory_note"]

@@ -335,7 +335,7 @@ def test_vector_index_follows_writes_and_deletes(tmp_path: Path) -> None:
 
 
 def test_canon_propagates_at_its_rate_and_the_stack_assembles_within_budgets(tmp_path: Path) -> None:
-    from nimmer_train.memory.knowledge import Canon, add_canon, assemble, propagate, set_districts
+    from nimmer_train.memory.canon import Canon, add_canon, assemble, propagate, set_districts
 
     memory = _memory(tmp_path / "p")
     set_districts(memory, [("core", "ring"), ("ring", "wall"), ("wall", "frontier")])

@@ -229,7 +229,7 @@ def test_player_review_reads_primary_never_clasp(tmp_path: Path) -> None:
 
 
 def test_agent_crystals_and_dreams(tmp_path: Path) -> None:
-    from nimmer_train.memory.crystals import CrystalSpec
+    from nimmer_train.agent.crystals import CrystalSpec
     from nimmer_train.memory.player_memory import Mode
     from tests.helpers.memory import agent_memory
 

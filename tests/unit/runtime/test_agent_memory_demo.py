@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from nimmer_train.memory.ingestion import Exchange
+from nimmer_train.agent.ingestion import Exchange
 from nimmer_train.runtime.stage import agent_memory_session, agent_transcripts
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from nimmer_train.memory.crystals import CrystalSpec
+from nimmer_train.agent.crystals import CrystalSpec
+from nimmer_train.agent.tools import memory_tools
 from nimmer_train.memory.player_memory import Mode
-from nimmer_train.memory.tools import memory_tools
 from nimmer_train.runtime.rings import RingC, RingConfig
 from nimmer_train.runtime.turn import NpcRuntime, TurnRequest
 from nimmer_train.voice.registers import load_catalogue

@@ -23,8 +23,7 @@ from pathlib import Path
 import apsw
 import numpy as np
 
-from nimmer_train.errors import NimmerError
-from nimmer_train.memory.crystals import (
+from nimmer_train.agent.crystals import (
     ACTIVE,
     CRYSTAL_SELECT,
     EDGES,
@@ -33,18 +32,15 @@ from nimmer_train.memory.crystals import (
     CrystalSpec,
     content_hash,
     crystal_from_row,
-    get_meta,
     infer_semantic_type,
     load,
     supersede,
     transition,
 )
-from nimmer_train.memory.embedding import Embedder
-from nimmer_train.memory.hormones import STORE as HORMONE_STORE
-from nimmer_train.memory.hormones import Hormones
-from nimmer_train.memory.importance import ImportancePolicy, importance, never_decays
-from nimmer_train.memory.player_memory import Mode, PlayerMemory, as_mode
-from nimmer_train.memory.search import (
+from nimmer_train.agent.hormones import STORE as HORMONE_STORE
+from nimmer_train.agent.hormones import Hormones
+from nimmer_train.agent.importance import ImportancePolicy, importance, never_decays
+from nimmer_train.agent.search import (
     GONE,
     LIVE,
     SUPERSEDED,
@@ -55,6 +51,10 @@ from nimmer_train.memory.search import (
     recency,
     weighted,
 )
+from nimmer_train.errors import NimmerError
+from nimmer_train.memory.db import get_meta
+from nimmer_train.memory.embedding import Embedder
+from nimmer_train.memory.player_memory import Mode, PlayerMemory, as_mode
 
 SCRATCH = "memory/scratch.md"
 NOTE_TYPES = {
@@ -72,7 +72,7 @@ def _iso(at: float) -> str:
 
 
 def scratch_line(at: float, note: str, importance_: float, kind: str) -> str:
-    """One scratch.md line; :func:`nimmer_train.memory.ingestion.parse_scratch` reads it back."""
+    """One scratch.md line; :func:`nimmer_train.agent.ingestion.parse_scratch` reads it back."""
     flat = " ".join(note.split())
     return f"- [{_iso(at)}] (importance: {importance_:.2f}, type: {kind}) {flat}"
 
@@ -435,7 +435,7 @@ class AgentMemory:
             ids = self.add([spec], mode)
             self.settle_directives("clasp", ids)
             return {"stored": "clasp", "id": self._uid("clasp", ids[0]), "file": None}
-        from nimmer_train.memory.ingestion import ingest_file  # ingestion builds on this module
+        from nimmer_train.agent.ingestion import ingest_file  # ingestion builds on this module
 
         with self.lock:
             scratch = self.folder / SCRATCH
@@ -576,8 +576,8 @@ class AgentMemory:
 
 def _dream_status(agent: AgentMemory) -> dict[str, object]:
     """memory_status's ``curiosity`` (open targets) and ``dreams`` (gate, last cycle, counts)."""
-    from nimmer_train.memory import curiosity  # both build on this module
-    from nimmer_train.memory.dreams import DreamEngine
+    from nimmer_train.agent import curiosity  # both build on this module
+    from nimmer_train.agent.dreams import DreamEngine
 
     state = curiosity.curiosity_state(agent)
     return {

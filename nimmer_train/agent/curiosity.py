@@ -34,9 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.crystals import ACTIVE
 from nimmer_train.errors import NimmerError
-from nimmer_train.memory.agent_memory import AgentMemory
-from nimmer_train.memory.crystals import ACTIVE, get_meta, set_meta
+from nimmer_train.memory.db import get_meta, set_meta
 
 HOUR = 3600.0
 PRIORITY = {"contradiction": 0.8, "knowledge_gap": 0.7, "frontier": 0.6, "stale_region": 0.5}

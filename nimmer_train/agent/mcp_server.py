@@ -16,7 +16,7 @@ import anyio
 import mcp_types as types
 from mcp.server.lowlevel.server import Server
 
-from nimmer_train.memory.tools import ToolArgumentError, ToolRegistry, UnknownTool
+from nimmer_train.agent.tools import ToolArgumentError, ToolRegistry, UnknownTool
 
 
 def build_server(registry: ToolRegistry, name: str = "nimmer-memory") -> Server[Any]:
@@ -48,11 +48,11 @@ def serve_stdio(folder: Path, embedder: Any = None, watch: bool = True) -> None:
     and answer the memory tools on stdin/stdout until the client closes."""
     from mcp.server.stdio import stdio_server
 
-    from nimmer_train.memory.agent_memory import AgentMemory
+    from nimmer_train.agent.agent_memory import AgentMemory
+    from nimmer_train.agent.ingestion import WorkspaceWatcher, ingest_workspace
+    from nimmer_train.agent.scheduler import ConsolidationScheduler
+    from nimmer_train.agent.tools import memory_tools
     from nimmer_train.memory.embedding import SentenceEmbedder
-    from nimmer_train.memory.ingestion import WorkspaceWatcher, ingest_workspace
-    from nimmer_train.memory.scheduler import ConsolidationScheduler
-    from nimmer_train.memory.tools import memory_tools
 
     agent = AgentMemory(folder, embedder or SentenceEmbedder())
     ingest_workspace(agent)

@@ -1,6 +1,6 @@
 """Consolidation: rescore, forget, purge, merge, TTL and stalled goals, each step one transaction.
 
-Run every 30 minutes of (game) time by :mod:`nimmer_train.memory.scheduler` and on demand
+Run every 30 minutes of (game) time by :mod:`nimmer_train.agent.scheduler` and on demand
 (``nimmer memory consolidate``). Steps, per store (primary, and clasp when it exists):
 
 1. rescore: the Ebbinghaus importance (importance.py) of every active crystal at ``now``
@@ -43,11 +43,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from nimmer_train.memory.agent_memory import AgentMemory
+from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.crystals import ACTIVE, audit, transition
+from nimmer_train.agent.importance import NEVER_DECAY_CLASSES, ImportancePolicy, importance_many
+from nimmer_train.agent.search import GONE
 from nimmer_train.memory.clasp import ClaspBusy
-from nimmer_train.memory.crystals import ACTIVE, audit, set_meta, transition
-from nimmer_train.memory.importance import NEVER_DECAY_CLASSES, ImportancePolicy, importance_many
-from nimmer_train.memory.search import GONE
+from nimmer_train.memory.db import set_meta
 
 DAY = 86400.0
 
@@ -92,7 +93,7 @@ def consolidate(
                 "ttl_expired": _ttl(agent, store, now),
                 "stalled_goals": _stalled_goals(agent, store, now, policy),
             }
-        from nimmer_train.memory import curiosity  # it builds on this module's agent
+        from nimmer_train.agent import curiosity  # it builds on this module's agent
 
         report["curiosity"] = curiosity.run(agent, now)  # regions rebuilt, targets refreshed
         report["wall_s"] = round(time.perf_counter() - started, 4)

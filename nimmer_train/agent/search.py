@@ -49,7 +49,7 @@ import apsw
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from nimmer_train.memory.crystals import SEARCHABLE
+from nimmer_train.agent.crystals import SEARCHABLE
 
 LIVE, SUPERSEDED, GONE = 0, 1, 2
 BLAS = ThreadpoolController()  # one matrix-vector product is fastest on one thread (and under load)

@@ -17,8 +17,8 @@ from typing import Any
 
 import jsonschema
 
+from nimmer_train.agent.agent_memory import NOTE_TYPES, AgentMemory
 from nimmer_train.errors import NimmerError
-from nimmer_train.memory.agent_memory import NOTE_TYPES, AgentMemory
 from nimmer_train.memory.player_memory import Mode
 
 
@@ -106,7 +106,7 @@ class ToolRegistry:
 def memory_tools(agent: AgentMemory, mode: Mode = Mode.REALWORLD, dreams: Any = True) -> ToolRegistry:
     """The registry of the memory tools over ``agent``, acting in ``mode``, with part 2's
     dream_search, dream_status, curiosity_state and curiosity_resolve over ``dreams`` (a
-    :class:`nimmer_train.memory.dreams.DreamEngine`, True for the agent's default one, None for
+    :class:`nimmer_train.agent.dreams.DreamEngine`, True for the agent's default one, None for
     part 1's four tools only)."""
     registry = ToolRegistry(mode)
     registry.register(
@@ -172,7 +172,7 @@ def memory_tools(agent: AgentMemory, mode: Mode = Mode.REALWORLD, dreams: Any = 
         )
     )
     if dreams is not None and dreams is not False:  # part 2: dreams and curiosity
-        from nimmer_train.memory.dreams import register_tools
+        from nimmer_train.agent.dreams import register_tools
 
         register_tools(registry, agent, None if dreams is True else dreams)
     return registry
@@ -181,7 +181,7 @@ def memory_tools(agent: AgentMemory, mode: Mode = Mode.REALWORLD, dreams: Any = 
 def _status(agent: AgentMemory, mode: Mode, action: str) -> dict[str, Any]:
     synced = None
     if action == "sync" and mode is Mode.REALWORLD:
-        from nimmer_train.memory.ingestion import ingest_workspace
+        from nimmer_train.agent.ingestion import ingest_workspace
 
         synced = ingest_workspace(agent)
     return {**agent.memory_status(mode), "synced": synced}

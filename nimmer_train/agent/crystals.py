@@ -30,9 +30,6 @@ from nimmer_train.errors import NimmerError
 LIFECYCLES = ("generated", "activated", "consolidated", "archived", "expired", "frozen")
 ORIGINS = ("file", "transcript", "skill", "note", "dream")
 LIFESPANS = ("permanent", "ttl", "decay")
-# The speaker of an episode whose text holds several speakers' lines (a player line and an NPC
-# reply): no one person said it, so consent's training export never shares it as anyone's words.
-EXCHANGE_SPEAKER = "exchange"
 ACTIVE = ("generated", "activated", "consolidated")  # what consolidation rescores and merges
 SEARCHABLE = ("generated", "activated", "consolidated", "frozen")
 EDGES: dict[str, frozenset[str]] = {
@@ -185,15 +182,6 @@ def supersede(db: apsw.Connection, old_id: int, new_id: int, now: float) -> None
         "WHERE entry_id = ? AND valid_to IS NULL",
         (now, new_id, old_id),
     )
-
-
-def set_meta(db: apsw.Connection, key: str, value: object) -> None:
-    db.execute("INSERT OR REPLACE INTO memory_meta VALUES (?, ?)", (key, json.dumps(value)))
-
-
-def get_meta(db: apsw.Connection, key: str, default: object = None) -> object:
-    row = db.execute("SELECT value FROM memory_meta WHERE key = ?", (key,)).fetchone()
-    return json.loads(row[0]) if row else default
 
 
 # Semantic type from origin first, then text patterns (ported from Bitterbot's inferSemanticType;

@@ -37,11 +37,12 @@ from typing import Any
 
 import numpy as np
 
+from nimmer_train.agent import curiosity
+from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.crystals import ACTIVE, CrystalSpec, load, transition
+from nimmer_train.agent.search import GONE
 from nimmer_train.errors import NimmerError
-from nimmer_train.memory import curiosity
-from nimmer_train.memory.agent_memory import AgentMemory
-from nimmer_train.memory.crystals import ACTIVE, CrystalSpec, get_meta, load, set_meta, transition
-from nimmer_train.memory.search import GONE
+from nimmer_train.memory.db import get_meta, set_meta
 
 HOUR = 3600.0
 MODES = ("replay", "compression", "mutation", "extrapolation", "simulation", "exploration")
@@ -581,8 +582,8 @@ def with_weights(cfg: DreamConfig, **weights: float) -> DreamConfig:
 
 def register_tools(registry: Any, agent: AgentMemory, engine: DreamEngine | None = None) -> None:
     """dream_search, dream_status, curiosity_state and curiosity_resolve on ``registry`` (the
-    memory tools of :func:`nimmer_train.memory.tools.memory_tools`)."""
-    from nimmer_train.memory.tools import Tool, _object
+    memory tools of :func:`nimmer_train.agent.tools.memory_tools`)."""
+    from nimmer_train.agent.tools import Tool, _object
 
     engine = engine or getattr(agent, "dreams", None) or DreamEngine(agent)
     registry.register(

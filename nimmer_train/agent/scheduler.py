@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from nimmer_train.memory.agent_memory import AgentMemory
-from nimmer_train.memory.consolidation import DEFAULT_POLICY, ConsolidationPolicy, consolidate
-from nimmer_train.memory.crystals import get_meta
+from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.consolidation import DEFAULT_POLICY, ConsolidationPolicy, consolidate
+from nimmer_train.memory.db import get_meta
 
 LOCK_FILE = "consolidation.lock"
 

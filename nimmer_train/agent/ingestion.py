@@ -30,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
+from nimmer_train.agent.agent_memory import SCRATCH, AgentMemory, note_spec
+from nimmer_train.agent.crystals import CrystalSpec, content_hash
 from nimmer_train.errors import NimmerError
-from nimmer_train.memory.agent_memory import SCRATCH, AgentMemory, note_spec
 from nimmer_train.memory.clasp import ClaspBusy
-from nimmer_train.memory.crystals import EXCHANGE_SPEAKER, CrystalSpec, content_hash
+from nimmer_train.memory.entries import EXCHANGE_SPEAKER
 from nimmer_train.memory.player_memory import Mode, as_mode
 
 log = logging.getLogger(__name__)
