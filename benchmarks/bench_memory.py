@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from nimmer_train.memory.canon import Canon, add_canon, assemble, propagate, set_districts
 from nimmer_train.memory.embedding import SentenceEmbedder
 from nimmer_train.memory.entries import DATA_CATEGORIES, MEMORY_CLASSES
-from nimmer_train.memory.canon import Canon, add_canon, assemble, propagate, set_districts
 from nimmer_train.memory.player_memory import Mode, PlayerMemory
 
 CATEGORIES = tuple(c for c in DATA_CATEGORIES if c != "clasp")

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from nimmer_train.errors import NimmerError
+from nimmer_train.memory.canon import Canon, add_canon, set_districts
 from nimmer_train.memory.companion import GOODS_TYPES, open_companion, record_session
 from nimmer_train.memory.consent import (
     PLAYER,
@@ -23,7 +24,6 @@ from nimmer_train.memory.consent import (
 )
 from nimmer_train.memory.embedding import Embedder
 from nimmer_train.memory.entries import DATA_CATEGORIES, SEMANTIC_TYPES
-from nimmer_train.memory.canon import Canon, add_canon, set_districts
 from nimmer_train.memory.player_memory import PRIMARY_FILE, Mode, PlayerMemory
 from nimmer_train.voice.traits import TRAIT_AXES
 
