@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from typing import Any
 MANIFEST = "manifest.json"
 README = "README.md"  # an artifact's card: the data card of a dataset, the model card of a version
 REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout: conf/, data_cards/, its git commit
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def sha256_file(path: Path, block: int = 1 << 20) -> str:
@@ -46,6 +48,62 @@ def source_fingerprint(*modules: ModuleType) -> str:
     return digest.hexdigest()
 
 
+# --- where each kind of artifact lives under the artifacts root (cfg.paths.artifacts_dir()) -------
+
+
+def artifact_name(name: str, fp: str) -> str:
+    """An artifact folder's name: what it holds and the first 12 hex digits of its fingerprint."""
+    return f"{name}-{fp[:12]}"
+
+
+def corpus_path(artifacts: Path, corpus: str, fp: str) -> Path:
+    """An ingested corpus dataset: ``corpus/<corpus>-<fp>``."""
+    return artifacts / "corpus" / artifact_name(corpus, fp)
+
+
+def synth_path(artifacts: Path, spec: str, fp: str) -> Path:
+    """A synthetic corpus: ``synth/<composition spec>-<fp>`` (``spec="*"``: a glob of any spec)."""
+    return artifacts / "synth" / artifact_name(spec, fp)
+
+
+def pretrained_path(artifacts: Path, model: str, fp: str) -> Path:
+    """A pretrained checkpoint converted once (from GGUF): ``pretrained/<model>-<fp>``."""
+    return artifacts / "pretrained" / artifact_name(model, fp)
+
+
+def base_path(artifacts: Path, label: str) -> Path:
+    """A built base: ``base/<label>``, its label ``<model>-<fp>`` (:func:`artifact_name`)."""
+    return artifacts / "base" / label
+
+
+def loras_path(artifacts: Path, base: str = "") -> Path:
+    """The register LoRAs trained on the base labelled ``base``: ``loras/<base>/``; without a
+    base, the folder of every base's."""
+    return artifacts / "loras" / base if base else artifacts / "loras"
+
+
+def lora_path(artifacts: Path, base: str, register: str, fp: str) -> Path:
+    """One register's LoRA trained on the base labelled ``base``: ``loras/<base>/<register>-<fp>``."""
+    return loras_path(artifacts, base) / artifact_name(register, fp)
+
+
+def rebased_lora_path(artifacts: Path, base: str, register: str, fp: str) -> Path:
+    """A LoRA retrained on a newer base for publish's rebase, beside train_loras' own:
+    ``rebase/loras/<base>/<register>-<fp>``."""
+    return artifacts / "rebase" / "loras" / base / artifact_name(register, fp)
+
+
+def federated_path(artifacts: Path, base: str, register: str, fp: str) -> Path:
+    """A register's LoRA after federated rounds on the base labelled ``base``:
+    ``federated/<base>/<register>-<fp>``."""
+    return artifacts / "federated" / base / artifact_name(register, fp)
+
+
+def merged_path(artifacts: Path, base: str, fp: str) -> Path:
+    """A base with an adapter merged into its weights, staged for publish: ``merged/<base>-<fp>``."""
+    return artifacts / "merged" / artifact_name(base, fp)
+
+
 def git_commit(cwd: Path | None = REPO_ROOT) -> str:
     """The current commit, with ``-dirty`` when the work tree has changes; ``unknown`` outside git."""
     try:
@@ -68,7 +126,7 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     for path in sorted(root.rglob("*")):
         if path.is_file():
             with open(path, "rb") as fh:
@@ -89,7 +147,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     staging.mkdir()
     try:
         yield staging
-        _fsync_tree(staging)
+        fsync_tree(staging)
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
@@ -100,21 +158,41 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
 def write_bytes_atomic(path: Path, data: bytes, private: bool = False) -> None:
     """Write ``data`` to ``path`` through a temp file, fsync, rename and fsync the folder;
-    ``private``: readable by the owner only (0600 from the first byte). A failed write leaves
-    ``path`` as it was and no temp file behind (a killed one leaves ``.NAME.tmp-PID``)."""
+    ``private``: readable by the owner only (0600 from the first byte, see :func:`write_secret`).
+    A failed write leaves ``path`` as it was and no temp file behind (a killed one leaves
+    ``.NAME.tmp-*``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
+    _write_via_temp(path, data, private, overwrite=True)
+
+
+def write_secret(path: Path, data: bytes, overwrite: bool = False) -> None:
+    """Write a secret (a private key, a sealing secret) that no one else can read and no reader
+    sees half-written: a fresh temp file beside ``path``, 0600 before its first byte whatever the
+    umask, fsynced, then put in place in one step. A key is never overwritten unless
+    ``overwrite``: FileExistsError when ``path`` exists (a symlink there included) and the temp is
+    removed. A kill leaves at most a ``.NAME.tmp-*`` file, never a partial ``path``."""
+    _write_via_temp(path, data, private=True, overwrite=overwrite)
+
+
+def _write_via_temp(path: Path, data: bytes, private: bool, overwrite: bool) -> None:
+    """The temp is created exclusively and never through a symlink (O_EXCL | O_NOFOLLOW) under a
+    name no one can guess in advance; ``overwrite`` renames it over ``path``, else it is linked
+    (``os.link`` refuses an existing name atomically) and its temp name unlinked."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600 if private else 0o666)
     try:
         with os.fdopen(fd, "wb") as fh:
+            if private:
+                os.fchmod(fh.fileno(), 0o600)  # whatever the umask: 0600 before the first byte
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path, follow_symlinks=False)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already after a rename; the second name after a link
     fsync_dir(path.parent)
 
 

@@ -25,6 +25,7 @@ import httpx
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from nimmer_train.artifacts import write_secret
 from nimmer_train.backup.sealing import BackupError
 
 ACCOUNT_HEADER = "X-Nimmer-Account"
@@ -91,9 +92,7 @@ class DeviceKey:
         pem = self.private.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(pem)
+        write_secret(path, pem)
 
     @property
     def public_raw(self) -> bytes:

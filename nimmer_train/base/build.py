@@ -37,7 +37,9 @@ from datasets import load_from_disk
 
 from nimmer_train.artifacts import (
     README,
+    artifact_name,
     atomic_dir,
+    base_path,
     fingerprint,
     git_commit,
     intact_manifest,
@@ -48,7 +50,7 @@ from nimmer_train.artifacts import (
 )
 from nimmer_train.base.from_gguf import pretrained_folder
 from nimmer_train.base.modeling import build_model, count_parameters, merged, with_lora
-from nimmer_train.base.pretrain import batch_indices, pack_blocks, train
+from nimmer_train.base.pretrain import TrainState, batch_indices, pack_blocks, train
 from nimmer_train.base.tokenizer import load_pretrained, train_bpe
 from nimmer_train.config import Config, TrainConfig, load_config, save_config
 from nimmer_train.corpus.ingest import IngestResult
@@ -118,9 +120,8 @@ def plan(cfg: Config, corpus: IngestResult, synthetic: SyntheticInput | None = N
             "train": train_cfg,
         }
     )
-    root = cfg.paths.artifacts_dir() / "base"
-    name = f"{cfg.model.name}-{fp[:12]}"
-    return BasePlan(fp, root / name, root / f".work-{name}")
+    out = base_path(cfg.paths.artifacts_dir(), artifact_name(cfg.model.name, fp))
+    return BasePlan(fp, out, out.with_name(f".work-{out.name}"))
 
 
 def build_base(
@@ -279,31 +280,11 @@ def worker(work: Path) -> None:
     """Train in this process (one rank of a distributed job, or the only one)."""
     cfg = load_config(work / "config.yaml")
     inputs = json.loads((work / "inputs.json").read_text())
-    mixed = "bf16" if cfg.model.dtype == "bfloat16" else "no"
-    accelerator = Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available())
-    expected = int(os.environ.get("WORLD_SIZE", "1"))
-    if accelerator.num_processes != expected:
-        raise RuntimeError(
-            f"launched as {expected} processes but Accelerator sees "
-            f"{accelerator.num_processes}; distributed set-up failed"
-        )
+    accelerator = _accelerator(cfg)
     set_seed(cfg.train.seed)
     dataset = load_from_disk(inputs["dataset_dir"])
     synthetic = load_from_disk(inputs["synthetic_dir"]) if inputs.get("synthetic_dir") else None
-    main = accelerator.is_main_process
-    with accelerator.main_process_first():
-        tokenizer = _tokenizer(cfg, _tokenizer_texts(dataset, synthetic), work / "tokenizer", main)
-        texts = {split: dataset[split]["text"] for split in ("train", "validation")}
-        if synthetic is not None:
-            for split, name in (("train", "synthetic-train"), (VALIDATION_SPLIT, "synthetic-validation")):
-                texts[name] = [
-                    tokenizer.apply_chat_template(messages, tokenize=False)
-                    for messages in synthetic[split]["messages"]
-                ]
-        blocks = {
-            name: _blocks(tokenizer, part, cfg.train.seq_len, work / f"blocks-{name}.npy", main)
-            for name, part in texts.items()
-        }
+    tokenizer, blocks = _tokenized(cfg, work, dataset, synthetic, accelerator)
     if len(blocks["train"]) == 0:
         raise NimmerError(f"the train split has fewer than train.seq_len={cfg.train.seq_len} tokens")
     literary_blocks = len(blocks["train"])
@@ -341,37 +322,94 @@ def worker(work: Path) -> None:
         published = merged(accelerator.unwrap_model(model))
         published.save_pretrained(out, state_dict=state_dict)
         tokenizer.save_pretrained(out)
-        evals = [h for h in state.history if "val_loss" in h]
-        trains = [h for h in state.history if "train_loss" in h]
-        synth_evals = [h for h in state.history if "val_loss_synthetic" in h]
-        write_json_atomic(
-            work / "result.json",
-            {
-                "steps": state.step,
-                "tokens": state.tokens,
-                "parameters": count_parameters(published),
-                "trainable_parameters": trainable,
-                "initial_val_loss": evals[0]["val_loss"] if evals else math.nan,
-                "initial_val_ppl": evals[0]["val_ppl"] if evals else math.nan,
-                "final_val_loss": evals[-1]["val_loss"] if evals else math.nan,
-                "final_val_ppl": evals[-1]["val_ppl"] if evals else math.nan,
-                "final_train_loss": trains[-1]["train_loss"] if trains else math.nan,
-                "initial_val_ppl_synthetic": synth_evals[0]["val_ppl_synthetic"] if synth_evals else math.nan,
-                "final_val_ppl_synthetic": synth_evals[-1]["val_ppl_synthetic"] if synth_evals else math.nan,
-                "train_blocks": len(train_blocks),
-                "literary_train_blocks": literary_blocks,
-                "synthetic_train_blocks": len(train_blocks) - literary_blocks,
-                "synthetic_repeats": repeats,
-                "tokens_by_corpus": tokens_by_corpus(
-                    cfg.train, len(train_blocks), literary_blocks, state.step, accelerator.num_processes
-                ),
-                "validation_blocks": len(blocks["validation"]),
-                "synthetic_validation_blocks": len(blocks.get("synthetic-validation", ())),
-                "processes": accelerator.num_processes,
-            },
-        )
+        mix = _Mix(len(train_blocks), literary_blocks, repeats)
+        result = _result(cfg, state, count_parameters(published), trainable, mix, blocks, accelerator)
+        write_json_atomic(work / "result.json", result)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+
+
+def _accelerator(cfg: Config) -> Accelerator:
+    """This rank's Accelerator; RuntimeError when it does not see the processes it was launched as."""
+    mixed = "bf16" if cfg.model.dtype == "bfloat16" else "no"
+    accelerator = Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available())
+    expected = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != expected:
+        raise RuntimeError(
+            f"launched as {expected} processes but Accelerator sees "
+            f"{accelerator.num_processes}; distributed set-up failed"
+        )
+    return accelerator
+
+
+def _tokenized(
+    cfg: Config, work: Path, dataset: Any, synthetic: Any | None, accelerator: Accelerator
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The tokenizer and the token blocks of every split (literary train/validation, the
+    synthetic turns rendered with the chat template), made on rank 0 first and reloaded by the
+    others."""
+    main = accelerator.is_main_process
+    with accelerator.main_process_first():
+        tokenizer = _tokenizer(cfg, _tokenizer_texts(dataset, synthetic), work / "tokenizer", main)
+        texts = {split: dataset[split]["text"] for split in ("train", "validation")}
+        if synthetic is not None:
+            for split, name in (("train", "synthetic-train"), (VALIDATION_SPLIT, "synthetic-validation")):
+                texts[name] = [
+                    tokenizer.apply_chat_template(messages, tokenize=False)
+                    for messages in synthetic[split]["messages"]
+                ]
+        blocks = {
+            name: _blocks(tokenizer, part, cfg.train.seq_len, work / f"blocks-{name}.npy", main)
+            for name, part in texts.items()
+        }
+    return tokenizer, blocks
+
+
+@dataclass(frozen=True)
+class _Mix:
+    """The training blocks as mixed: how many, how many literary, the synthetic set's passes."""
+
+    train: int
+    literary: int
+    repeats: float
+
+
+def _result(
+    cfg: Config,
+    state: TrainState,
+    parameters: int,
+    trainable: int,
+    mix: _Mix,
+    blocks: dict[str, torch.Tensor],
+    accelerator: Accelerator,
+) -> dict[str, Any]:
+    """The worker's ``result.json``: steps, tokens, losses and the corpus mix, for the launcher."""
+    evals = [h for h in state.history if "val_loss" in h]
+    trains = [h for h in state.history if "train_loss" in h]
+    synth_evals = [h for h in state.history if "val_loss_synthetic" in h]
+    return {
+        "steps": state.step,
+        "tokens": state.tokens,
+        "parameters": parameters,
+        "trainable_parameters": trainable,
+        "initial_val_loss": evals[0]["val_loss"] if evals else math.nan,
+        "initial_val_ppl": evals[0]["val_ppl"] if evals else math.nan,
+        "final_val_loss": evals[-1]["val_loss"] if evals else math.nan,
+        "final_val_ppl": evals[-1]["val_ppl"] if evals else math.nan,
+        "final_train_loss": trains[-1]["train_loss"] if trains else math.nan,
+        "initial_val_ppl_synthetic": synth_evals[0]["val_ppl_synthetic"] if synth_evals else math.nan,
+        "final_val_ppl_synthetic": synth_evals[-1]["val_ppl_synthetic"] if synth_evals else math.nan,
+        "train_blocks": mix.train,
+        "literary_train_blocks": mix.literary,
+        "synthetic_train_blocks": mix.train - mix.literary,
+        "synthetic_repeats": mix.repeats,
+        "tokens_by_corpus": tokens_by_corpus(
+            cfg.train, mix.train, mix.literary, state.step, accelerator.num_processes
+        ),
+        "validation_blocks": len(blocks["validation"]),
+        "synthetic_validation_blocks": len(blocks.get("synthetic-validation", ())),
+        "processes": accelerator.num_processes,
+    }
 
 
 def mix_blocks(

@@ -26,6 +26,7 @@ from nimmer_train.artifacts import (
     atomic_dir,
     fingerprint,
     intact_manifest,
+    pretrained_path,
     sha256_file,
     source_fingerprint,
     write_manifest,
@@ -93,7 +94,7 @@ def pretrained_folder(cfg: ModelConfig, artifacts: Path) -> Path:
     ckpt = locate(cfg.gguf_package, cfg.gguf_file)
     code = source_fingerprint(sys.modules[__name__])
     fp = fingerprint({"version": CONVERT_VERSION, "code": code, "gguf_sha256": ckpt.sha256})
-    out = artifacts / "pretrained" / f"{cfg.name}-{fp[:12]}"
+    out = pretrained_path(artifacts, cfg.name, fp)
     if intact_manifest(out) is not None:
         return out
     verify(ckpt)

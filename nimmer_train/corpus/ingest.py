@@ -22,6 +22,7 @@ from datasets import Dataset, DatasetDict, load_from_disk
 from nimmer_train.artifacts import (
     README,
     atomic_dir,
+    corpus_path,
     fingerprint,
     intact_manifest,
     sha256_file,
@@ -104,7 +105,7 @@ def _locate(
     """(sources, fingerprint, folder, the published dataset there or None) for ``corpus``."""
     sources = source_files(corpus)
     fp = corpus_fingerprint(corpus, sources)
-    out = artifacts / "corpus" / f"{corpus.name}-{fp[:12]}"
+    out = corpus_path(artifacts, corpus.name, fp)
     manifest = intact_manifest(out)
     found = IngestResult(out, fp, manifest["lineage"]["stats"], reused=True) if manifest else None
     return sources, fp, out, found

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from nimmer_train.artifacts import write_secret
 from nimmer_train.errors import NimmerError
 
 CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY = "ca.crt", "ca.key", "server.crt", "server.key"
@@ -47,23 +47,10 @@ def _alt_name(host: str) -> x509.GeneralName:
 
 
 def _write_key(path: Path, key: rsa.RSAPrivateKey) -> None:
-    """A fresh 0600 file (created exclusively, never an existing one reopened: a reader holding
-    an old key file open, or a link planted at ``path``, must not see the new key), then renamed
-    over ``path``."""
+    """A fresh 0600 file renamed over ``path`` (never an existing one reopened: a reader holding
+    an old key file open, or a link planted at ``path``, must not see the new key)."""
     pem, traditional = serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL
-    data = key.private_bytes(pem, traditional, serialization.NoEncryption())
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # whatever the umask: 0600 before the first byte
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_secret(path, key.private_bytes(pem, traditional, serialization.NoEncryption()), overwrite=True)
 
 
 def _ca(folder: Path, days: int, now: datetime.datetime) -> tuple[x509.Certificate, rsa.RSAPrivateKey, bool]:

@@ -15,7 +15,7 @@ import mlflow
 from datasets import load_from_disk
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import MANIFEST, intact_manifest, write_json_atomic
+from nimmer_train.artifacts import MANIFEST, intact_manifest, lora_path, loras_path, write_json_atomic
 from nimmer_train.base.build import plan
 from nimmer_train.config import Config
 from nimmer_train.corpus.ingest import IngestResult, find_corpus
@@ -135,7 +135,7 @@ def _inputs(
         cfg.registers.get(name)  # an unknown register fails here, naming the known ones
     r1 = load_from_disk(str(synth.path / "r1"))
     literary = load_from_disk(str(corpus.dataset_dir))
-    return _Inputs(corpus, synth, base_dir, base, names, r1, literary, artifacts / "loras" / base_dir.name)
+    return _Inputs(corpus, synth, base_dir, base, names, r1, literary, loras_path(artifacts, base_dir.name))
 
 
 def _adapter(
@@ -144,7 +144,7 @@ def _adapter(
     """The register's adapter in its own nested MLflow run: reused when an intact one exists,
     else trained and published."""
     fp = adapter_fingerprint(name, register, inputs.base, inputs.datasets, cfg.lora)
-    out = inputs.root / f"{name}-{fp[:12]}"
+    out = lora_path(cfg.paths.artifacts_dir(), inputs.base_dir.name, name, fp)
     with tracking.stage_run(cfg, pipeline, f"lora {name}") as run_id:
         existing = intact_manifest(out)
         if existing:

@@ -13,6 +13,7 @@ Anthropic through us. The row's ``feature_compat_warnings`` are computed then, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -22,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from nimmer_train.artifacts import write_secret
 from nimmer_train.backup.sealing import Sealed, seal, unseal
 from nimmer_train.errors import ConfigError, NimmerError
 from nimmer_train.memory.db import connect, migrate
@@ -75,11 +77,8 @@ def device_secret(folder: Path) -> str:
     path = folder / KEY_FILE
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_urlsafe(32))
-            fh.flush()
-            os.fsync(fh.fileno())
+        with contextlib.suppress(FileExistsError):  # another process made it first: theirs stands
+            write_secret(path, secrets.token_urlsafe(32).encode())
     mode = path.stat().st_mode
     if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise NimmerError(f"{path} is readable by others (mode {oct(mode & 0o777)}); chmod 600 it")

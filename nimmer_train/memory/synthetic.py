@@ -124,13 +124,37 @@ def generate_player(
             "or choose a new folder"
         )
     existing = (folder / PRIMARY_FILE).exists()
-    keep_consent = existing and tier is None
     if existing and (folder / PROFILE_FILE).exists():  # the player on this device stays who it is:
         player_id, player_name = read_profile(folder)  # its profile redacts what it shares
     rng = np.random.default_rng(seed)
     now = [start if start is not None else 1_800_000_000.0]
     memory = PlayerMemory(folder, embedder, clock=lambda: now[0])
-    categories = list(DATA_CATEGORIES)
+    written = _write_entries(memory, rng, entries, player_name, player_id, now)
+    tier = _draw_consent(memory, rng, tier, existing, now[0])
+    if player_id and not (folder / PROFILE_FILE).exists():
+        write_profile(folder, player_id, player_name)
+    _plant_world(memory, seed)
+    sessions = _companion_sessions(folder, rng, now[0])
+    memory.close()
+    return {
+        "player": folder.name,
+        **written,
+        "consent": str(tier),
+        "companion_sessions": sessions,
+        "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _write_entries(
+    memory: PlayerMemory,
+    rng: np.random.Generator,
+    entries: int,
+    player_name: str,
+    player_id: str | None,
+    now: list[float],
+) -> dict[str, int]:
+    """Draw ``entries`` entries, each a few minutes to an hour after the last (``now[0]`` moves):
+    clasp ones written in between, the rest in one batch to the primary store; counts by store."""
     written = {"primary": 0, "clasp": 0}
     batch: list[dict] = []
     for i in range(entries):
@@ -143,20 +167,33 @@ def generate_player(
         now[0] += float(rng.uniform(60, 3600))
     memory.write_many(batch)
     written["primary"] = len(batch)
+    return written
+
+
+def _draw_consent(
+    memory: PlayerMemory, rng: np.random.Generator, tier: str | None, existing: bool, now: float
+) -> str | None:
+    """Draw shared and excluded categories and record the consent; the tier in force. A player
+    already here keeps its consent when no ``tier`` is given, and its exclusions and revocation
+    when one is."""
+    categories = list(DATA_CATEGORIES)
     rng.random()  # once a drawn tier; kept so that a seed's later draws stay the same
     shared = tuple(str(c) for c in rng.choice(categories, size=int(rng.integers(1, 5)), replace=False))
     excluded = tuple(str(c) for c in rng.choice(categories, size=int(rng.integers(0, 2)), replace=False))
-    if keep_consent:
-        tier = get_consent(memory).sharing_tier
-    elif existing:  # a new tier, but the player's exclusions and revocation stand
+    if existing and tier is None:
+        return get_consent(memory).sharing_tier
+    if existing:  # a new tier, but the player's exclusions and revocation stand
         old = get_consent(memory)
         excluded = tuple(dict.fromkeys([*old.excluded_categories, *excluded]))
-        set_consent(memory, ConsentRecord(tier or "opt_out", shared, excluded, now[0], old.revoked_at))
-    else:
-        tier = tier or "opt_out"
-        set_consent(memory, ConsentRecord(tier, shared, excluded, granted_at=now[0]))
-    if player_id and not (folder / PROFILE_FILE).exists():
-        write_profile(folder, player_id, player_name)
+        set_consent(memory, ConsentRecord(tier or "opt_out", shared, excluded, now, old.revoked_at))
+        return tier
+    tier = tier or "opt_out"
+    set_consent(memory, ConsentRecord(tier, shared, excluded, granted_at=now))
+    return tier
+
+
+def _plant_world(memory: PlayerMemory, seed: int) -> None:
+    """The districts and three proclamations every generated player's store holds."""
     set_districts(memory, [("core", "ring"), ("ring", "wall"), ("wall", "frontier")])
     add_canon(
         memory,
@@ -173,6 +210,10 @@ def generate_player(
             for j in range(3)
         ],
     )
+
+
+def _companion_sessions(folder: Path, rng: np.random.Generator, now: float) -> int:
+    """Record zero to three companion trade sessions; how many."""
     companion = open_companion(folder)
     sessions = int(rng.integers(0, 4))
     for j in range(sessions):
@@ -181,14 +222,7 @@ def generate_player(
             NPCS[j % len(NPCS)],
             GOODS_TYPES[j % 2],
             f"session {j} with {NPCS[j % 5]}",
-            started_at=now[0] + j,
+            started_at=now + j,
         )
     companion.close()
-    memory.close()
-    return {
-        "player": folder.name,
-        **written,
-        "consent": str(tier),
-        "companion_sessions": sessions,
-        "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    return sessions

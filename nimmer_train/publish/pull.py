@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from nimmer_train.artifacts import MANIFEST, fsync_dir, sha256_file
+from nimmer_train.artifacts import MANIFEST, NOFOLLOW, fsync_dir, fsync_tree, sha256_file
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import read_metadata
 from nimmer_train.publish.manifest import (
@@ -50,13 +50,14 @@ from nimmer_train.publish.manifest import (
     verify_folder,
 )
 from nimmer_train.publish.registry import PREFIX, REGISTRY_FILE, Registry
+from nimmer_train.publish.release import _insert
 from nimmer_train.publish.signing import Keyring, SignatureError
+from nimmer_train.publish.versions import verify_version
 
 PULLS = ".pulls"  # releases/.pulls/<label>-<manifest sha[:16]>/: pulls in progress, kept across kills
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest or signature larger than this is refused unread
 CHUNK = 1 << 20
 IDENTITY = {"Accept-Encoding": "identity"}  # bytes as signed: no decompression (no gzip bomb)
-NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class PullError(NimmerError):
@@ -313,8 +314,6 @@ def _refuse_downgrade(registry: Registry, alias: str, label: str, number: int) -
 def _damage(releases: Path, label: str, keyring: Keyring) -> str | None:
     """Why the registered ``label`` fails verification here (folder, signature, files, LoRAs),
     or None when it verifies."""
-    from nimmer_train.publish.versions import verify_version
-
     registry = Registry.open(releases)
     try:
         verify_version(registry, registry.find(label), keyring)
@@ -348,14 +347,7 @@ def pull_version(
 def _pull(
     releases: Path, source: Source, keyring: Keyring, alias: str | None, downgrade: bool, started: float
 ) -> PullResult:
-    raw = source.read(MANIFEST)
-    sig_raw = source.read(SIGNATURE)
-    try:
-        signature = json.loads(sig_raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{source.where(SIGNATURE)} is not readable JSON ({exc})") from exc
-    key_id = keyring.verify(raw, signature, source.where(MANIFEST))  # before any other byte
-    manifest = json.loads(raw)
+    raw, sig_raw, key_id, manifest = _signed_manifest(source, keyring)
     label, number = _label(manifest)
     if source.name != label:
         raise PullError(
@@ -375,65 +367,26 @@ def _pull(
             registry.close()
     repair = False
     if recorded is not None:
-        problem = _damage(releases, label, keyring)
-        if problem is None:
+        repair = _needs_repair(releases, label, keyring, recorded, digest)
+        if not repair:
             _set_alias(releases, label, number, alias, downgrade)
             return PullResult(label, key_id, 0, 0, 0, True, alias, time.perf_counter() - started)
-        if recorded != digest:
-            raise IntegrityError(
-                f"{label} is registered here but fails verification ({problem}); the pulled manifest "
-                f"(sha256 {digest[:12]}) is not the one registered ({recorded[:12]}), so it cannot "
-                "repair it: pull it from the mirror it first came from"
-            )
-        repair = True
 
     work = releases / PULLS / f"{label}-{digest[:16]}"
     staged = work / "version"
-    listed = {f"version/{name}" for name in (MANIFEST, SIGNATURE)}
-    for row in files:
-        rel = safe_relative(row["path"], label)
-        if rel in (MANIFEST, SIGNATURE):
-            raise IntegrityError(f"{label}: the manifest lists {rel} as a blob; refused")
-        listed.add(f"version/{rel}")
-    for entry in loras:
-        rel = _lora_folder(entry, label)
-        what = f"LoRA {entry['lora_id']}"
-        listed |= {f"{rel}/{safe_relative(r['path'], what)}" for r in entry["files"]}
-    discarded = _prepare(releases / PULLS, work, listed)
+    discarded = _prepare(releases / PULLS, work, _listed(label, files, loras))
     staged.mkdir(parents=True, exist_ok=True)
     for name, data in ((MANIFEST, raw), (SIGNATURE, sig_raw)):
         with _open_staged(staged / name, append=False) as out:
             out.write(data)
-    fetched = resumed = count = 0
+    tally = _Tally()
     for row in files:
-        got, had = _fetch_checked(source, source.where(row["path"]), staged / row["path"], row, label)
-        fetched, resumed, count = fetched + got, resumed + had, count + 1
-    new_loras: dict[str, Path] = {}
-    for entry in loras:
-        rel = _lora_folder(entry, label)
-        if (releases / rel).is_dir() and _lora_registered(releases, entry["lora_id"]):
-            try:
-                check_files(releases / rel, entry["files"], f"LoRA {entry['lora_id']} (already here)")
-                continue
-            except IntegrityError:
-                pass  # damaged here: fetched again below and put back in place under the lock
-        folder = work / rel
-        for row in entry["files"]:
-            where = source.where(f"{rel}/{row['path']}", lora=True)
-            got, had = _fetch_checked(source, where, folder / row["path"], row, f"LoRA {entry['lora_id']}")
-            fetched, resumed, count = fetched + got, resumed + had, count + 1
-        new_loras[entry["lora_id"]] = folder
+        tally.add(*_fetch_checked(source, source.where(row["path"]), staged / row["path"], row, label))
+    new_loras = _fetch_loras(releases, source, work, loras, label, tally)
 
-    snapshot = _snapshot(work)  # before the checks: a change during or after them shows under the lock
-    try:
-        # the same check every reader runs, on the staged folder, before it can be seen
-        verified = verify_folder(staged, keyring)
-        if (staged / MANIFEST).read_bytes() != raw or verified.get("version_id") != manifest["version_id"]:
-            raise IntegrityError(f"{label}: the staged manifest changed while pulling")
-        for entry in loras:
-            if entry["lora_id"] in new_loras:
-                check_files(new_loras[entry["lora_id"]], entry["files"], f"LoRA {entry['lora_id']}")
-        staging = Staging(work, snapshot, repair, alias, downgrade)
+    staging = Staging(work, _snapshot(work), repair, alias, downgrade)  # before the checks: a change
+    try:  # during or after them shows under the lock
+        _verify_staged(staged, raw, manifest, keyring, loras, new_loras, label)
         _commit(releases, staged, manifest, digest, key_id, loras, new_loras, staging)
     except (IntegrityError, SignatureError) as exc:
         shutil.rmtree(work, ignore_errors=True)
@@ -446,15 +399,113 @@ def _pull(
     return PullResult(
         label,
         key_id,
-        count,
-        fetched,
-        resumed,
+        tally.count,
+        tally.fetched,
+        tally.resumed,
         False,
         alias,
         time.perf_counter() - started,
         repair,
         tuple(discarded),
     )
+
+
+def _signed_manifest(source: Source, keyring: Keyring) -> tuple[bytes, bytes, str, dict[str, Any]]:
+    """The source's manifest and signature bytes, the signing key id and the manifest, its
+    signature checked before any other byte is fetched."""
+    raw = source.read(MANIFEST)
+    sig_raw = source.read(SIGNATURE)
+    try:
+        signature = json.loads(sig_raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{source.where(SIGNATURE)} is not readable JSON ({exc})") from exc
+    key_id = keyring.verify(raw, signature, source.where(MANIFEST))  # before any other byte
+    return raw, sig_raw, key_id, json.loads(raw)
+
+
+def _needs_repair(releases: Path, label: str, keyring: Keyring, recorded: str, digest: str) -> bool:
+    """Whether the registered ``label`` must be fetched again (it fails verification here); only
+    the manifest it was registered with (sha256 ``recorded``) may repair it."""
+    problem = _damage(releases, label, keyring)
+    if problem is None:
+        return False
+    if recorded != digest:
+        raise IntegrityError(
+            f"{label} is registered here but fails verification ({problem}); the pulled manifest "
+            f"(sha256 {digest[:12]}) is not the one registered ({recorded[:12]}), so it cannot "
+            "repair it: pull it from the mirror it first came from"
+        )
+    return True
+
+
+def _listed(label: str, files: list[dict[str, Any]], loras: list[dict[str, Any]]) -> set[str]:
+    """Every path the staging folder may hold: the version's files and the LoRAs' (each checked
+    to stay inside its folder)."""
+    listed = {f"version/{name}" for name in (MANIFEST, SIGNATURE)}
+    for row in files:
+        rel = safe_relative(row["path"], label)
+        if rel in (MANIFEST, SIGNATURE):
+            raise IntegrityError(f"{label}: the manifest lists {rel} as a blob; refused")
+        listed.add(f"version/{rel}")
+    for entry in loras:
+        rel = _lora_folder(entry, label)
+        what = f"LoRA {entry['lora_id']}"
+        listed |= {f"{rel}/{safe_relative(r['path'], what)}" for r in entry["files"]}
+    return listed
+
+
+@dataclass
+class _Tally:
+    """Files checked and bytes transferred (fetched) or continued (resumed) by one pull."""
+
+    fetched: int = 0
+    resumed: int = 0
+    count: int = 0
+
+    def add(self, fetched: int, resumed: int) -> None:
+        self.fetched += fetched
+        self.resumed += resumed
+        self.count += 1
+
+
+def _fetch_loras(
+    releases: Path, source: Source, work: Path, loras: list[dict[str, Any]], label: str, tally: _Tally
+) -> dict[str, Path]:
+    """Fetch into ``work`` each LoRA not already here intact; {lora_id: its staged folder}."""
+    new_loras: dict[str, Path] = {}
+    for entry in loras:
+        rel = _lora_folder(entry, label)
+        if (releases / rel).is_dir() and _lora_registered(releases, entry["lora_id"]):
+            try:
+                check_files(releases / rel, entry["files"], f"LoRA {entry['lora_id']} (already here)")
+                continue
+            except IntegrityError:
+                pass  # damaged here: fetched again below and put back in place under the lock
+        folder = work / rel
+        for row in entry["files"]:
+            where = source.where(f"{rel}/{row['path']}", lora=True)
+            tally.add(*_fetch_checked(source, where, folder / row["path"], row, f"LoRA {entry['lora_id']}"))
+        new_loras[entry["lora_id"]] = folder
+    return new_loras
+
+
+def _verify_staged(
+    staged: Path,
+    raw: bytes,
+    manifest: dict[str, Any],
+    keyring: Keyring,
+    loras: list[dict[str, Any]],
+    new_loras: dict[str, Path],
+    label: str,
+) -> None:
+    """The same check every reader runs, on the staged folder, before it can be seen; and the
+    fetched LoRAs' files."""
+    verified = verify_folder(staged, keyring)
+    if (staged / MANIFEST).read_bytes() != raw or verified.get("version_id") != manifest["version_id"]:
+        raise IntegrityError(f"{label}: the staged manifest changed while pulling")
+    for entry in loras:
+        if entry["lora_id"] in new_loras:
+            check_files(new_loras[entry["lora_id"]], entry["files"], f"LoRA {entry['lora_id']}")
 
 
 @dataclass(frozen=True)
@@ -553,12 +604,9 @@ def _commit(
     verified folders into place, insert the rows (publish's own row format; ``candidate`` is left
     where it was), move the alias; a kill before the commit leaves folders without rows, which
     the next publish or pull removes."""
-    from nimmer_train.artifacts import _fsync_tree
-    from nimmer_train.publish.release import _insert
-
     label, number = manifest["version_label"], int(manifest["version_label"].rsplit("v", 1)[1])
     for folder in [staged, *new_loras.values()]:
-        _fsync_tree(folder)
+        fsync_tree(folder)
     registry = Registry.open(releases, create=True)
     try:
         with registry.writing():

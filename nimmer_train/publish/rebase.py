@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nimmer_train.artifacts import MANIFEST, intact_manifest, sha256_file
+from nimmer_train.artifacts import MANIFEST, intact_manifest, lora_path, rebased_lora_path, sha256_file
 from nimmer_train.config.schema import LoraConfig, RebaseConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import base_identity, load_base, read_metadata
@@ -278,10 +278,10 @@ def retrain(name: str, found: Recipe, base: Path, artifacts: Path, catalogue: Re
     register = catalogue.get(name)
     datasets = found.meta["datasets"]
     fp = adapter_fingerprint(name, register, identity, datasets, found.settings)
-    trained = artifacts / "loras" / base.name / f"{name}-{fp[:12]}"  # train_loras made this very one
+    trained = lora_path(artifacts, base.name, name, fp)  # train_loras made this very one
     if intact_manifest(trained):
         return trained
-    out = artifacts / "rebase" / "loras" / base.name / trained.name
+    out = rebased_lora_path(artifacts, base.name, name, fp)
     if intact_manifest(out):
         return out
     modules = (

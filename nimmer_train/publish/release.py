@@ -31,6 +31,7 @@ from nimmer_train.artifacts import (
     atomic_dir,
     fingerprint,
     intact_manifest,
+    merged_path,
     read_manifest,
     sha256_file,
     write_manifest,
@@ -210,7 +211,7 @@ def stage_merge(req: PublishRequest, artifacts: Path) -> Path:
         "merge_adapter": read_manifest(req.merge_adapter)["fingerprint"],
     }
     fp = fingerprint(lineage)
-    out = artifacts / "merged" / f"{req.base_dir.name}-{fp[:12]}"
+    out = merged_path(artifacts, req.base_dir.name, fp)
     if intact_manifest(out) is None:
         with atomic_dir(out) as staging:
             _stage_model(dataclasses.replace(req, merged_dir=None), staging)

@@ -23,6 +23,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from nimmer_train.artifacts import NOFOLLOW, write_secret
 from nimmer_train.errors import NimmerError
 
 ALGORITHM = "ed25519"
@@ -61,9 +62,7 @@ def generate_key(private_path: Path, trusted_dir: Path | None = None) -> str:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     private_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(pem)
+    write_secret(private_path, pem)
     kid = key_id(key.public_key())
     _write_new(pub, public_text(key.public_key()))
     if trusted_dir is not None:
@@ -88,7 +87,7 @@ def trust(public_file: Path, trusted_dir: Path) -> str:
 
 def _write_new(path: Path, text: str) -> None:
     """Create ``path`` (never overwriting, never through a symlink) with ``text``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import mlflow
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import MANIFEST, README, git_commit, intact_manifest
+from nimmer_train.artifacts import MANIFEST, README, git_commit, intact_manifest, loras_path
 from nimmer_train.config import Config
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import METADATA, read_metadata
@@ -63,7 +63,7 @@ def _loras(cfg: Config, base_dir: Path, loras: LoraResult | None) -> list[Path]:
     if loras is not None:
         return list(loras.adapters.values())
     newest: dict[str, Path] = {}
-    root = cfg.paths.artifacts_dir() / "loras" / base_dir.name
+    root = loras_path(cfg.paths.artifacts_dir(), base_dir.name)
     for folder in sorted(root.glob("*"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []:
         if intact_manifest(folder):
             newest[json.loads((folder / METADATA).read_text())["register"]] = folder

@@ -206,6 +206,18 @@ class Reload:
         )
 
 
+@dataclass(frozen=True)
+class _Serving:
+    """What the routes of one app share."""
+
+    holder: _Holder
+    limits: ServeLimits
+    schemas: SchemaCache
+    prep: ThreadPoolExecutor  # templates, grammars: off the decode thread
+    created: int
+    preparing: collections.Counter  # rows of requests being prepared, not yet in the engine
+
+
 def create_app(
     model: LocalModel | Callable[[], LocalModel],
     api_key: str | None = None,
@@ -216,14 +228,30 @@ def create_app(
     """The server over ``model`` (or over what the callable loads, in a thread at start-up);
     with ``api_key`` every route but /health needs ``Authorization: Bearer``; with ``reload`` it
     follows an alias (see the module docstring)."""
-    holder = _Holder(model)
     limits = limits or ServeLimits()
-    schemas = SchemaCache(limits.schema_cache_size)
-    prep = ThreadPoolExecutor(
-        1, thread_name_prefix="nimmer-prep"
-    )  # templates, grammars: off the decode thread
-    created = int(time.time())
-    preparing = collections.Counter()  # rows of requests being prepared, not yet in the engine
+    serving = _Serving(
+        holder=_Holder(model),
+        limits=limits,
+        schemas=SchemaCache(limits.schema_cache_size),
+        prep=ThreadPoolExecutor(1, thread_name_prefix="nimmer-prep"),
+        created=int(time.time()),
+        preparing=collections.Counter(),
+    )
+    app = FastAPI(title="nimmer serve", version="2", lifespan=_lifespan(serving, reload))
+    app.state.schemas = serving.schemas
+    app.state.holder = serving.holder
+    _add_authentication(app, serving.holder, api_key)
+    _add_status_routes(app, serving)
+    _add_chat_route(app, serving)
+    if adapter_updates:
+        _add_adapter_routes(app, serving)
+    return app
+
+
+def _lifespan(serving: _Serving, reload: Reload | None) -> Callable[[FastAPI], Any]:
+    """Start-up loads the model (in a thread) and follows the alias; shutdown finishes every
+    accepted turn, lets retiring models close, and closes the model it loaded."""
+    holder = serving.holder
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -241,11 +269,13 @@ def create_app(
                 await asyncio.sleep(0.05)
             if holder.owned:
                 await asyncio.to_thread(holder.model.close)
-        prep.shutdown(wait=False)
+        serving.prep.shutdown(wait=False)
 
-    app = FastAPI(title="nimmer serve", version="2", lifespan=lifespan)
-    app.state.schemas = schemas
-    app.state.holder = holder
+    return lifespan
+
+
+def _add_authentication(app: FastAPI, holder: _Holder, api_key: str | None) -> None:
+    """Every route but /health needs the bearer key (when there is one); /v1/ waits for the model."""
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Any:
@@ -260,6 +290,11 @@ def create_app(
             why = holder.error or "the model is loading"
             return _error(503, f"not ready: {why}", "not_ready", **{"Retry-After": "5"})
         return await call_next(request)
+
+
+def _add_status_routes(app: FastAPI, serving: _Serving) -> None:
+    """/health, /metrics and /v1/models."""
+    holder = serving.holder
 
     @app.get("/health")
     def health() -> JSONResponse:
@@ -285,13 +320,19 @@ def create_app(
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
         assert holder.model is not None
-        return _model_list(holder.model, created)
+        return _model_list(holder.model, serving.created)
+
+
+def _add_chat_route(app: FastAPI, serving: _Serving) -> None:
+    """POST /v1/chat/completions: the turn stays on the model it started on, whatever alias moves
+    meanwhile; that model is released when the reply (or its stream) ends."""
+    holder = serving.holder
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        m = holder.acquire()  # the turn stays on this model, whatever alias moves meanwhile
+        m = holder.acquire()
         try:
-            response = await answer(m, request)
+            response = await _answer(serving, m, request)
         except BaseException:
             holder.release(m)
             raise
@@ -301,75 +342,109 @@ def create_app(
             holder.release(m)
         return response
 
-    async def answer(m: LocalModel, request: Request) -> Any:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
 
-        def sink(event: Any) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+def _add_adapter_routes(app: FastAPI, serving: _Serving) -> None:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    holder = serving.holder
 
-        try:
-            body = await read_json(request, limits)  # (size-capped) before it counts: a slow
-        except RequestError as exc:  # upload holds no place in the engine's room
-            return JSONResponse(exc.body(), status_code=exc.status)
-        n = body.get("n", 1) if isinstance(body, dict) else 1
-        rows = n if isinstance(n, int) and 1 <= n <= m.engine.max_batch else 1  # (bad n: a 400 below)
-        if preparing["rows"] + rows > m.engine.room():  # the engine could not take them all:
-            return _busy(m.engine.retry_after_s(), preparing["rows"])  # refuse now, unprepared
-        preparing["rows"] += rows
-        try:
-            req, job = await loop.run_in_executor(prep, _prepare, m, body, limits, schemas, sink)
-        except RequestError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        except ValueError as exc:  # a schema the engine's grammar cannot use after all
-            return _error(400, str(exc), "invalid_response_format", "response_format")
-        except NimmerError as exc:  # e.g. a register unloaded since the check
-            return _error(404, str(exc), "model_not_found", "model")
-        finally:
-            preparing["rows"] -= rows
-        try:
-            m.engine.submit(job)
-        except QueueFull as exc:
-            return _error(429, str(exc), "rate_limit_exceeded", **{"Retry-After": str(exc.retry_after_s)})
-        except EngineClosed as exc:
-            return _error(503, str(exc), "shutting_down")
-        except AdapterGone as exc:  # unloaded while this request was being prepared
-            return _error(404, str(exc), "model_not_found", "model")
-        except NimmerError as exc:  # n beyond this engine's batch
-            return _error(400, f"n: {exc}", "invalid_value", "n")
-        if req.stream:
-            return StreamingResponse(
-                _stream(m, req, job, events),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        gather = asyncio.ensure_future(_gather(job, events))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait((gather, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            job.cancel()  # a no-op once done; frees the rows of a client that went away
-        if not gather.done():  # nobody is left to read the reply
-            gather.cancel()
-            return Response(status_code=499)
-        done, failed = gather.result()
-        if failed is not None:
-            log.error("generation failed: %s", failed.message)
-            return _error(500, f"the server failed to generate a reply: {failed.message}", "server_error")
-        return JSONResponse(_completion(m, req, job, done))
+    @app.post("/v1/load_lora_adapter")
+    async def load_adapter(request: Request) -> JSONResponse:
+        return await _adapter_route(holder.model, request, serving.limits, load=True)
 
-    if adapter_updates:
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_adapter(request: Request) -> JSONResponse:
+        return await _adapter_route(holder.model, request, serving.limits, load=False)
 
-        @app.post("/v1/load_lora_adapter")
-        async def load_adapter(request: Request) -> JSONResponse:
-            return await _adapter_route(holder.model, request, limits, load=True)
 
-        @app.post("/v1/unload_lora_adapter")
-        async def unload_adapter(request: Request) -> JSONResponse:
-            return await _adapter_route(holder.model, request, limits, load=False)
+async def _answer(serving: _Serving, m: LocalModel, request: Request) -> Any:
+    """One chat turn on ``m``: admitted and prepared, handed to the engine, answered (streamed or
+    whole)."""
+    events: asyncio.Queue = asyncio.Queue()
+    prepared = await _admit(serving, m, request, events)
+    if isinstance(prepared, Response):
+        return prepared
+    req, job = prepared
+    refused = _submit(m, job)
+    if refused is not None:
+        return refused
+    if req.stream:
+        return StreamingResponse(
+            _stream(m, req, job, events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return await _reply(m, req, job, events, request)
 
-    return app
+
+async def _admit(
+    serving: _Serving, m: LocalModel, request: Request, events: asyncio.Queue
+) -> tuple[ChatRequest, Job] | Response:
+    """Read the body, refuse it unprepared when the engine has no room for its rows, else prepare
+    it on the preparation thread; its events go to ``events``."""
+    loop = asyncio.get_running_loop()
+
+    def sink(event: Any) -> None:
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    try:
+        body = await read_json(request, serving.limits)  # (size-capped) before it counts: a slow
+    except RequestError as exc:  # upload holds no place in the engine's room
+        return JSONResponse(exc.body(), status_code=exc.status)
+    n = body.get("n", 1) if isinstance(body, dict) else 1
+    rows = n if isinstance(n, int) and 1 <= n <= m.engine.max_batch else 1  # (bad n: a 400 below)
+    preparing = serving.preparing
+    if preparing["rows"] + rows > m.engine.room():  # the engine could not take them all:
+        return _busy(m.engine.retry_after_s(), preparing["rows"])  # refuse now, unprepared
+    preparing["rows"] += rows
+    try:
+        return await loop.run_in_executor(
+            serving.prep, _prepare, m, body, serving.limits, serving.schemas, sink
+        )
+    except RequestError as exc:
+        return JSONResponse(exc.body(), status_code=exc.status)
+    except ValueError as exc:  # a schema the engine's grammar cannot use after all
+        return _error(400, str(exc), "invalid_response_format", "response_format")
+    except NimmerError as exc:  # e.g. a register unloaded since the check
+        return _error(404, str(exc), "model_not_found", "model")
+    finally:
+        preparing["rows"] -= rows
+
+
+def _submit(m: LocalModel, job: Job) -> JSONResponse | None:
+    """Hand ``job`` to the engine; the error reply when it refuses."""
+    try:
+        m.engine.submit(job)
+    except QueueFull as exc:
+        return _error(429, str(exc), "rate_limit_exceeded", **{"Retry-After": str(exc.retry_after_s)})
+    except EngineClosed as exc:
+        return _error(503, str(exc), "shutting_down")
+    except AdapterGone as exc:  # unloaded while this request was being prepared
+        return _error(404, str(exc), "model_not_found", "model")
+    except NimmerError as exc:  # n beyond this engine's batch
+        return _error(400, f"n: {exc}", "invalid_value", "n")
+    return None
+
+
+async def _reply(
+    m: LocalModel, req: ChatRequest, job: Job, events: asyncio.Queue, request: Request
+) -> Response:
+    """The whole completion once every row is done; a client that went away first cancels the
+    job (499) so its rows are freed."""
+    gather = asyncio.ensure_future(_gather(job, events))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((gather, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        job.cancel()  # a no-op once done; frees the rows of a client that went away
+    if not gather.done():  # nobody is left to read the reply
+        gather.cancel()
+        return Response(status_code=499)
+    done, failed = gather.result()
+    if failed is not None:
+        log.error("generation failed: %s", failed.message)
+        return _error(500, f"the server failed to generate a reply: {failed.message}", "server_error")
+    return JSONResponse(_completion(m, req, job, done))
 
 
 def _prepare(

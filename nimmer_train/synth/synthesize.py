@@ -35,6 +35,7 @@ from nimmer_train.artifacts import (
     intact_manifest,
     sha256_file,
     source_fingerprint,
+    synth_path,
     write_json_atomic,
     write_manifest,
 )
@@ -127,7 +128,7 @@ def _locate(
 ) -> tuple[str, Path, SynthResult | None]:
     """(fingerprint, folder, the published corpus there or None) for this config."""
     fp = synth_fingerprint(spec, catalogue, teacher_cfg, curation)
-    out = artifacts / "synth" / f"{spec.name}-{fp[:12]}"
+    out = synth_path(artifacts, spec.name, fp)
     manifest = intact_manifest(out)
     if manifest is None:
         return fp, out, None

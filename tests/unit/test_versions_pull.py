@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
-import nimmer_train.artifacts
+import nimmer_train.publish.pull
 from nimmer_train.artifacts import read_manifest, write_manifest
 from nimmer_train.cli import main
 from nimmer_train.publish.manifest import IntegrityError
@@ -372,14 +372,14 @@ def test_a_staged_file_changed_after_verification_is_not_registered(
 ) -> None:
     releases, trusted = publisher
     device = tmp_path / "device" / "releases"
-    real = nimmer_train.artifacts._fsync_tree
+    real = nimmer_train.publish.pull.fsync_tree
 
     def racing_writer(folder: Path) -> None:  # stands in for another process writing in the window
         if folder.name == "version":  # after verify_folder, before the lock and the rename
             (folder / "config.json").write_text('{"tampered": true}')
         real(folder)
 
-    monkeypatch.setattr(nimmer_train.artifacts, "_fsync_tree", racing_writer)
+    monkeypatch.setattr(nimmer_train.publish.pull, "fsync_tree", racing_writer)
     with pytest.raises(IntegrityError, match=r"changed after it was verified.*was discarded"):
         pull_version(device, str(releases / V1), Keyring.load(trusted))
     registry = Registry.open(device)
