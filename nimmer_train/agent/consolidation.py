@@ -26,7 +26,7 @@ store (primary, which a remote ring may be shown, never learns how the in-betwee
 Frozen crystals (skills) are never touched. Unlike Bitterbot, merge is not gated by a promote
 threshold nor limited to one file (its merges almost never fired).
 
-Hormones (issue 17, memory/hormones.py) modulate a run through :func:`hormonal_policy`: cortisol
+Hormones (issue 17, hormones.py) modulate a run through :func:`hormonal_policy`: cortisol
 raises the merge threshold, and the decay resistance lengthens the Ebbinghaus half-life by
 1 / (1 - resistance), multiplying with valence's own resistance rather than replacing it. Both are
 relative to rest (an agent at rest consolidates exactly as without hormones) and are read at the
@@ -43,7 +43,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent import curiosity
+from nimmer_train.agent.crystal_store import CrystalStore
 from nimmer_train.agent.crystals import ACTIVE, audit, transition
 from nimmer_train.agent.importance import NEVER_DECAY_CLASSES, ImportancePolicy, importance_many
 from nimmer_train.agent.search import GONE
@@ -69,7 +70,7 @@ DEFAULT_POLICY = ConsolidationPolicy()
 
 
 def consolidate(
-    agent: AgentMemory, now: float | None = None, policy: ConsolidationPolicy = DEFAULT_POLICY
+    agent: CrystalStore, now: float | None = None, policy: ConsolidationPolicy = DEFAULT_POLICY
 ) -> dict[str, object]:
     """One consolidation pass at ``now`` (the agent's clock by default); returns what changed."""
     now = agent.clock() if now is None else now
@@ -93,8 +94,6 @@ def consolidate(
                 "ttl_expired": _ttl(agent, store, now),
                 "stalled_goals": _stalled_goals(agent, store, now, policy),
             }
-        from nimmer_train.agent import curiosity  # it builds on this module's agent
-
         report["curiosity"] = curiosity.run(agent, now)  # regions rebuilt, targets refreshed
         report["wall_s"] = round(time.perf_counter() - started, 4)
         if "clasp" in stores:
@@ -108,7 +107,7 @@ def consolidate(
     return report
 
 
-def hormonal_policy(agent: AgentMemory, now: float, policy: ConsolidationPolicy) -> ConsolidationPolicy:
+def hormonal_policy(agent: CrystalStore, now: float, policy: ConsolidationPolicy) -> ConsolidationPolicy:
     """``policy`` as the agent's hormones modulate it at ``now`` (unchanged at rest)."""
     m = agent.hormones.modulation(now)
     if m.decay_resistance == 0.0 and m.merge_raise == 0.0:
@@ -121,7 +120,7 @@ def hormonal_policy(agent: AgentMemory, now: float, policy: ConsolidationPolicy)
     )
 
 
-def _rescore(agent: AgentMemory, store: str, now: float, policy: ConsolidationPolicy) -> int:
+def _rescore(agent: CrystalStore, store: str, now: float, policy: ConsolidationPolicy) -> int:
     db = agent.db(store)
     rows = db.execute(
         "SELECT c.entry_id, e.semantic_type, e.access_count, coalesce(e.last_access, e.created_at), "
@@ -158,11 +157,11 @@ def _rescore(agent: AgentMemory, store: str, now: float, policy: ConsolidationPo
             "UPDATE crystals SET importance = ? WHERE entry_id = ?",
             [(float(values[i]), int(columns[0][i])) for i in changed],
         )
-    agent._after_commit(store)
+    agent.after_commit(store)
     return int(len(changed))
 
 
-def _forget(agent: AgentMemory, store: str, now: float, policy: ConsolidationPolicy) -> int:
+def _forget(agent: CrystalStore, store: str, now: float, policy: ConsolidationPolicy) -> int:
     ids = [
         r[0]
         for r in agent.db(store).execute(
@@ -177,7 +176,7 @@ def _forget(agent: AgentMemory, store: str, now: float, policy: ConsolidationPol
     )
 
 
-def _purge(agent: AgentMemory, store: str, now: float, policy: ConsolidationPolicy) -> int:
+def _purge(agent: CrystalStore, store: str, now: float, policy: ConsolidationPolicy) -> int:
     db = agent.db(store)
     ids = [
         r[0]
@@ -198,11 +197,11 @@ def _purge(agent: AgentMemory, store: str, now: float, policy: ConsolidationPoli
     agent.index(store).remove(set(ids))
     if store in agent.memory._indexes:
         agent.memory._indexes[store].remove(set(ids))
-    agent._after_commit(store)
+    agent.after_commit(store)
     return len(ids)
 
 
-def _merge(agent: AgentMemory, store: str, now: float, policy: ConsolidationPolicy) -> int:
+def _merge(agent: CrystalStore, store: str, now: float, policy: ConsolidationPolicy) -> int:
     db = agent.db(store)
     index = agent.index(store)
     index._flush()
@@ -261,7 +260,7 @@ def _merge(agent: AgentMemory, store: str, now: float, policy: ConsolidationPoli
         db.executemany("UPDATE crystals SET merge_checked = 1 WHERE entry_id = ?", [(i,) for i in unchecked])
     for loser in gone:
         index.set_state(loser, GONE)
-    agent._after_commit(store)
+    agent.after_commit(store)
     return merged
 
 
@@ -302,7 +301,7 @@ def _absorb(db, winner: int, loser: int, now: float) -> None:  # noqa: ANN001 - 
         transition(db, winner, "consolidated", f"absorbed {loser}", now)
 
 
-def _ttl(agent: AgentMemory, store: str, now: float) -> int:
+def _ttl(agent: CrystalStore, store: str, now: float) -> int:
     ids = [
         r[0]
         for r in agent.db(store).execute(
@@ -314,7 +313,7 @@ def _ttl(agent: AgentMemory, store: str, now: float) -> int:
     return agent.move(store, ids, "expired", "ttl elapsed")
 
 
-def _stalled_goals(agent: AgentMemory, store: str, now: float, policy: ConsolidationPolicy) -> int:
+def _stalled_goals(agent: CrystalStore, store: str, now: float, policy: ConsolidationPolicy) -> int:
     db = agent.db(store)
     with db:
         db.execute(
@@ -324,5 +323,5 @@ def _stalled_goals(agent: AgentMemory, store: str, now: float, policy: Consolida
             (now, now - policy.stalled_goal_s),
         )
         changed = db.changes()
-    agent._after_commit(store)
+    agent.after_commit(store)
     return changed

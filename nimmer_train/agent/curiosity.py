@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.crystal_store import CrystalStore
 from nimmer_train.agent.crystals import ACTIVE
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.db import get_meta, set_meta
@@ -96,7 +96,7 @@ def cluster(vectors: np.ndarray, threshold: float) -> list[list[int]]:
 
 
 def rebuild_regions(
-    agent: AgentMemory, now: float, policy: CuriosityPolicy = DEFAULT_CURIOSITY
+    agent: CrystalStore, now: float, policy: CuriosityPolicy = DEFAULT_CURIOSITY
 ) -> list[dict[str, Any]]:
     """The regions at ``now`` with ids carried over from the previous build (not yet saved)."""
     db = agent.db("primary")
@@ -158,7 +158,7 @@ def _match(
     return None
 
 
-def _text(agent: AgentMemory, entry_id: int) -> str:
+def _text(agent: CrystalStore, entry_id: int) -> str:
     row = agent.db("primary").execute("SELECT text FROM entries WHERE id = ?", (entry_id,)).fetchone()
     return row[0][:120] if row else ""
 
@@ -181,7 +181,7 @@ def _target(
     }
 
 
-def _gaps(agent: AgentMemory, now: float, policy: CuriosityPolicy) -> tuple[list[dict], int]:
+def _gaps(agent: CrystalStore, now: float, policy: CuriosityPolicy) -> tuple[list[dict], int]:
     db = agent.db("primary")
     mark = int(get_meta(db, "curiosity_search_mark", 0))  # type: ignore[arg-type]
     rows = db.execute(
@@ -200,7 +200,7 @@ def _gaps(agent: AgentMemory, now: float, policy: CuriosityPolicy) -> tuple[list
     ], new_mark
 
 
-def _contradictions(agent: AgentMemory, now: float, policy: CuriosityPolicy) -> list[dict]:
+def _contradictions(agent: CrystalStore, now: float, policy: CuriosityPolicy) -> list[dict]:
     slots: dict[str, dict[str, str]] = {}
     for uid, text in agent.db("primary").execute(
         "SELECT e.event_uid, e.text FROM crystals c JOIN entries e ON e.id = c.entry_id "
@@ -235,7 +235,7 @@ def _stale(regions: list[dict], now: float, policy: CuriosityPolicy) -> list[dic
     ]
 
 
-def _frontier(agent: AgentMemory, regions: list[dict], now: float, policy: CuriosityPolicy) -> list[dict]:
+def _frontier(agent: CrystalStore, regions: list[dict], now: float, policy: CuriosityPolicy) -> list[dict]:
     if not regions:
         return []
     rows = (
@@ -265,7 +265,7 @@ def _frontier(agent: AgentMemory, regions: list[dict], now: float, policy: Curio
     ]
 
 
-def run(agent: AgentMemory, now: float, policy: CuriosityPolicy = DEFAULT_CURIOSITY) -> dict[str, int]:
+def run(agent: CrystalStore, now: float, policy: CuriosityPolicy = DEFAULT_CURIOSITY) -> dict[str, int]:
     """Rebuild regions, expire old targets, detect new ones (deduplicated), keep the top
     ``max_targets`` active; one transaction. Returns counts."""
     with agent.lock:
@@ -311,13 +311,13 @@ def _closed_at(t: dict) -> float:
     return float(t.get("resolved_at") or t.get("expired_at") or 0.0)
 
 
-def active_targets(agent: AgentMemory, now: float) -> list[dict]:
+def active_targets(agent: CrystalStore, now: float) -> list[dict]:
     """Open targets at ``now`` (one past its expiry counts as gone even before the next run)."""
     targets = get_meta(agent.db("primary"), "curiosity_targets", []) or []
     return [t for t in targets if _open(t) and now < t["expires_at"]]  # type: ignore[union-attr]
 
 
-def curiosity_state(agent: AgentMemory, now: float | None = None) -> dict[str, Any]:
+def curiosity_state(agent: CrystalStore, now: float | None = None) -> dict[str, Any]:
     """Regions (without centroids), active targets by priority, and counts per kind."""
     now = agent.clock() if now is None else now
     with agent.lock:
@@ -336,7 +336,7 @@ def curiosity_state(agent: AgentMemory, now: float | None = None) -> dict[str, A
     }
 
 
-def mark_explored(agent: AgentMemory, target_ids: list[str], now: float) -> None:
+def mark_explored(agent: CrystalStore, target_ids: list[str], now: float) -> None:
     """Exploration dreamt about these targets: noted, not resolved."""
     with agent.lock:
         db = agent.db("primary")
@@ -348,7 +348,7 @@ def mark_explored(agent: AgentMemory, target_ids: list[str], now: float) -> None
             set_meta(db, "curiosity_targets", targets)
 
 
-def curiosity_resolve(agent: AgentMemory, target_id: str, now: float | None = None) -> dict[str, Any]:
+def curiosity_resolve(agent: CrystalStore, target_id: str, now: float | None = None) -> dict[str, Any]:
     """Mark an open target resolved; it leaves ``curiosity_state`` and spikes the agent's
     curiosity_progress hormone event."""
     now = agent.clock() if now is None else now

@@ -38,11 +38,14 @@ from typing import Any
 import numpy as np
 
 from nimmer_train.agent import curiosity
-from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.crystal_store import CrystalStore
 from nimmer_train.agent.crystals import ACTIVE, CrystalSpec, load, transition
 from nimmer_train.agent.search import GONE
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.db import get_meta, set_meta
+from nimmer_train.voice.composition import GenerationRequest, request_key
+from nimmer_train.voice.prompt_dsl import AffectState, MemoryScope, TurnPrompt
+from nimmer_train.voice.sampling import SamplingKnobs
 
 HOUR = 3600.0
 MODES = ("replay", "compression", "mutation", "extrapolation", "simulation", "exploration")
@@ -159,7 +162,7 @@ class DreamEngine:
 
     def __init__(
         self,
-        agent: AgentMemory,
+        agent: CrystalStore,
         hormones: Levels | Mapping[str, float] | None = None,
         teacher: Any = None,
         config: DreamConfig | None = None,
@@ -315,7 +318,7 @@ class DreamEngine:
                     "UPDATE entries SET importance = min(1.0, importance + ?) WHERE id = ?", (gain, entry_id)
                 )
                 gains[uid] = round(gain, 6)
-        self.agent._after_commit("primary")
+        self.agent.after_commit("primary")
         return {"seeds": list(gains), "gains": gains, "insights": 0}
 
     def compression(self, now: float) -> dict[str, Any]:
@@ -360,7 +363,7 @@ class DreamEngine:
             if confident:
                 for r in members:
                     index.set_state(r[0], GONE)
-            self.agent._after_commit("primary")
+            self.agent.after_commit("primary")
             made.append({"insight": insight, "sources": list(uids), "confidence": round(confidence, 3)})
         return {"clusters": len(made), "insights": len(made), "archived": archived, "made": made}
 
@@ -392,8 +395,8 @@ class DreamEngine:
                 "UPDATE crystals SET merged_from = ? WHERE entry_id = ?",
                 (json.dumps(list(sources)), entry_id),
             )
-        self.agent._after_commit("primary")
-        return self.agent._uid("primary", entry_id)
+        self.agent.after_commit("primary")
+        return self.agent.uid("primary", entry_id)
 
     # -- LLM modes -------------------------------------------------------------------------------
     def _sources(self, mode: str, rng: np.random.Generator, targets: list) -> list[tuple]:
@@ -523,10 +526,6 @@ class DreamEngine:
 
 def dream_request(mode: str, sources: list[str], focus: list[str]) -> Any:
     """The teacher request of one LLM mode (its ``key`` is what the replay teacher looks up)."""
-    from nimmer_train.voice.composition import GenerationRequest, request_key
-    from nimmer_train.voice.prompt_dsl import AffectState, MemoryScope, TurnPrompt
-    from nimmer_train.voice.sampling import SamplingKnobs
-
     asks = {
         "mutation": "Vary these memories: what would change if one detail were different?",
         "extrapolation": "Predict what comes next, given these recent memories.",
@@ -578,53 +577,6 @@ def parse_insights(content: str) -> list[tuple[str, float]]:
 
 def with_weights(cfg: DreamConfig, **weights: float) -> DreamConfig:
     return replace(cfg, weights={**cfg.weights, **weights})
-
-
-def register_tools(registry: Any, agent: AgentMemory, engine: DreamEngine | None = None) -> None:
-    """dream_search, dream_status, curiosity_state and curiosity_resolve on ``registry`` (the
-    memory tools of :func:`nimmer_train.agent.tools.memory_tools`)."""
-    from nimmer_train.agent.tools import Tool, _object
-
-    engine = engine or getattr(agent, "dreams", None) or DreamEngine(agent)
-    registry.register(
-        Tool(
-            "dream_search",
-            "Search the insights the agent's dreams produced (insight crystals only).",
-            _object(
-                {
-                    "query": {"type": "string", "minLength": 1},
-                    "maxResults": {"type": "integer", "minimum": 1, "maximum": 50},
-                    "minScore": {"type": "number", "minimum": -1, "maximum": 1},
-                },
-                ("query",),
-            ),
-            lambda a: {"results": engine.search(a["query"], a.get("maxResults", 6), a.get("minScore", 0.0))},
-        )
-    )
-    registry.register(
-        Tool(
-            "dream_status",
-            "Dream engine status: gate state, last cycle, insight counts and the LLM call budget.",
-            _object({}),
-            lambda a: engine.status(),
-        )
-    )
-    registry.register(
-        Tool(
-            "curiosity_state",
-            "Knowledge regions and open curiosity targets (gaps, stale regions, contradictions, frontiers).",
-            _object({}),
-            lambda a: curiosity.curiosity_state(agent),
-        )
-    )
-    registry.register(
-        Tool(
-            "curiosity_resolve",
-            "Mark a curiosity target resolved once its question is answered.",
-            _object({"targetId": {"type": "string", "minLength": 1}}, ("targetId",)),
-            lambda a: curiosity.curiosity_resolve(agent, a["targetId"]),
-        )
-    )
 
 
 def show_cycle(engine: DreamEngine, modes: list[str] | None = None) -> list[str]:

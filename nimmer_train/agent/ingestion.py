@@ -30,8 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from nimmer_train.agent.agent_memory import SCRATCH, AgentMemory, note_spec
+from nimmer_train.agent.crystal_store import CrystalStore
 from nimmer_train.agent.crystals import CrystalSpec, content_hash
+from nimmer_train.agent.extra import missing_extra
+from nimmer_train.agent.scratch import SCRATCH, note_spec
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.clasp import ClaspBusy
 from nimmer_train.memory.entries import EXCHANGE_SPEAKER
@@ -157,7 +159,7 @@ def _read_settled(path: Path, attempts: int = 5) -> bytes | None:
         return None
 
 
-def ingest_file(agent: AgentMemory, relative: str) -> dict[str, int]:
+def ingest_file(agent: CrystalStore, relative: str) -> dict[str, int]:
     """Bring one workspace file's crystals in step with the file (see the module docstring)."""
     path = agent.folder / relative
     counts = {"added": 0, "kept": 0, "expired": 0, "skipped": 0}
@@ -218,7 +220,7 @@ def ingest_file(agent: AgentMemory, relative: str) -> dict[str, int]:
     return counts
 
 
-def ingest_workspace(agent: AgentMemory) -> dict[str, int]:
+def ingest_workspace(agent: CrystalStore) -> dict[str, int]:
     """Ingest every workspace file, and expire the crystals of files that are gone."""
     total = {"files": 0, "added": 0, "kept": 0, "expired": 0, "skipped": 0}
     present = workspace_files(agent.folder)
@@ -239,7 +241,7 @@ def ingest_workspace(agent: AgentMemory) -> dict[str, int]:
 class WorkspaceWatcher:
     """Ingests workspace files as ``watchfiles`` reports them changed, on a daemon thread."""
 
-    def __init__(self, agent: AgentMemory, debounce_ms: int = 1500) -> None:
+    def __init__(self, agent: CrystalStore, debounce_ms: int = 1500) -> None:
         self.agent, self.debounce_ms = agent, debounce_ms
         self.stop_event = threading.Event()
         self.pending: set[str] = set()
@@ -247,6 +249,11 @@ class WorkspaceWatcher:
         self.ready = threading.Event()
 
     def start(self) -> WorkspaceWatcher:
+        try:  # the agent extra (extra.py): only a standing server watches the workspace
+            from watchfiles import watch
+        except ImportError as exc:
+            raise missing_extra("watchfiles", "the workspace watcher") from exc
+        self._watch = watch
         self.agent.folder.mkdir(parents=True, exist_ok=True)
         self.thread.start()
         self.ready.wait(timeout=30)
@@ -260,10 +267,8 @@ class WorkspaceWatcher:
         return is_memory_file(relative)
 
     def _run(self) -> None:
-        from watchfiles import watch
-
         self.ready.set()
-        for changes in watch(
+        for changes in self._watch(
             self.agent.folder,
             watch_filter=self._accept,
             debounce=self.debounce_ms,
@@ -381,7 +386,7 @@ def exchange_specs(exchange: Exchange, max_chars: int = 4000) -> list[CrystalSpe
     ]
 
 
-def index_exchanges(agent: AgentMemory, exchanges: Iterable[Exchange]) -> list[int]:
+def index_exchanges(agent: CrystalStore, exchanges: Iterable[Exchange]) -> list[int]:
     """Index exchanges now, each mode's in one transaction (what the background indexer does
     per batch); an exchange too long for one entry becomes several crystals."""
     ids: list[int] = []
@@ -414,7 +419,12 @@ class TranscriptIndexer:
     """
 
     def __init__(
-        self, agent: AgentMemory, batch: int = 64, tries: int = 3, backoff_s: float = 0.2, wait_s: float = 5.0
+        self,
+        agent: CrystalStore,
+        batch: int = 64,
+        tries: int = 3,
+        backoff_s: float = 0.2,
+        wait_s: float = 5.0,
     ) -> None:
         self.agent, self.batch, self.tries, self.backoff_s = agent, batch, tries, backoff_s
         self.wait_s = wait_s

@@ -13,10 +13,21 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import mcp_types as types
-from mcp.server.lowlevel.server import Server
 
-from nimmer_train.agent.tools import ToolArgumentError, ToolRegistry, UnknownTool
+from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.extra import missing_extra
+from nimmer_train.agent.ingestion import WorkspaceWatcher, ingest_workspace
+from nimmer_train.agent.scheduler import ConsolidationScheduler
+from nimmer_train.agent.tool_registry import ToolArgumentError, ToolRegistry, UnknownTool
+from nimmer_train.agent.tools import memory_tools
+from nimmer_train.memory.embedding import SentenceEmbedder
+
+try:  # the agent extra (extra.py): nothing but this server speaks MCP
+    import mcp_types as types
+    from mcp.server.lowlevel.server import Server
+    from mcp.server.stdio import stdio_server
+except ImportError as exc:
+    raise missing_extra("mcp", "the MCP server (nimmer memory mcp)") from exc
 
 
 def build_server(registry: ToolRegistry, name: str = "nimmer-memory") -> Server[Any]:
@@ -46,14 +57,6 @@ def build_server(registry: ToolRegistry, name: str = "nimmer-memory") -> Server[
 def serve_stdio(folder: Path, embedder: Any = None, watch: bool = True) -> None:
     """``nimmer memory mcp AGENT_DIR``: ingest the workspace, watch it, consolidate on schedule,
     and answer the memory tools on stdin/stdout until the client closes."""
-    from mcp.server.stdio import stdio_server
-
-    from nimmer_train.agent.agent_memory import AgentMemory
-    from nimmer_train.agent.ingestion import WorkspaceWatcher, ingest_workspace
-    from nimmer_train.agent.scheduler import ConsolidationScheduler
-    from nimmer_train.agent.tools import memory_tools
-    from nimmer_train.memory.embedding import SentenceEmbedder
-
     agent = AgentMemory(folder, embedder or SentenceEmbedder())
     ingest_workspace(agent)
     watcher = WorkspaceWatcher(agent).start() if watch else None

@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from nimmer_train.agent.agent_memory import AgentMemory
 from nimmer_train.agent.consolidation import DEFAULT_POLICY, ConsolidationPolicy, consolidate
+from nimmer_train.agent.crystal_store import CrystalStore
+from nimmer_train.agent.extra import missing_extra
 from nimmer_train.memory.db import get_meta
 
 LOCK_FILE = "consolidation.lock"
@@ -46,7 +47,7 @@ def consolidation_lock(folder: Path) -> Iterator[bool]:
 
 
 def run_once(
-    agent: AgentMemory, now: float | None = None, policy: ConsolidationPolicy = DEFAULT_POLICY
+    agent: CrystalStore, now: float | None = None, policy: ConsolidationPolicy = DEFAULT_POLICY
 ) -> dict[str, object] | None:
     """Consolidate now unless another run holds the lock (then None)."""
     with consolidation_lock(agent.folder) as held:
@@ -55,7 +56,7 @@ def run_once(
         return consolidate(agent, now, policy)
 
 
-def due(agent: AgentMemory, now: float, interval_s: float) -> bool:
+def due(agent: CrystalStore, now: float, interval_s: float) -> bool:
     last = get_meta(agent.db("primary"), "last_consolidation")
     return last is None or now - float(last) >= interval_s  # type: ignore[arg-type]
 
@@ -64,9 +65,12 @@ class ConsolidationScheduler:
     """APScheduler (3.x) BackgroundScheduler with one coalesced, single-instance job."""
 
     def __init__(
-        self, agent: AgentMemory, policy: ConsolidationPolicy = DEFAULT_POLICY, tick_s: float = 60.0
+        self, agent: CrystalStore, policy: ConsolidationPolicy = DEFAULT_POLICY, tick_s: float = 60.0
     ) -> None:
-        from apscheduler.schedulers.background import BackgroundScheduler
+        try:  # the agent extra (extra.py): only a standing server schedules consolidation
+            from apscheduler.schedulers.background import BackgroundScheduler
+        except ImportError as exc:
+            raise missing_extra("apscheduler", "the consolidation schedule") from exc
 
         self.agent, self.policy, self.tick_s = agent, policy, tick_s
         self.runs = 0

@@ -30,7 +30,7 @@ Recency is of the knowledge (when it became valid), not of its last read, so rea
 does not make it outrank the newer one that superseded it. A superseded crystal (only searched
 when asked for) loses ``w_sup`` places, so the fact that replaced it ranks first at equal relevance.
 The agent's hormones (issue 17) scale ``w_imp`` by (1 + 0.2 D) and ``w_rec`` by (1 + 0.3 C), both
-over their values at rest (:meth:`AgentMemory.search_weights`); they stay tie-breakers.
+over their values at rest (:meth:`CrystalStore.search_weights`, crystal_store.py); they stay tie-breakers.
 
 Expired and archived crystals, and superseded ones (``valid_to`` set), are left out unless
 asked for. The vectors live in an in-memory matrix per store (as in vector_index.py) with a

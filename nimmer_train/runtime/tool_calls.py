@@ -1,5 +1,5 @@
 """The Ring C tool loop: the memory tools offered to an OpenAI-compatible provider as function
-schemas, each tool call executed against the :class:`~nimmer_train.agent.tools.ToolRegistry`
+schemas, each tool call executed against the :class:`~nimmer_train.agent.tool_registry.ToolRegistry`
 and answered in the same turn, until the model replies with text.
 
 One request per round, through the teacher backend's client, URL, headers and retry policy.
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nimmer_train.agent.tools import ToolArgumentError, ToolRegistry, UnknownTool
+from nimmer_train.agent.tool_registry import ToolArgumentError, ToolRegistry, UnknownTool
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.player_memory import Mode
 from nimmer_train.synth.teacher.backends import EXTRA_KNOBS, OpenAICompatible

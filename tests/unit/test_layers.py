@@ -1,7 +1,9 @@
 """The house's layers, read from the source (ast): a module of nimmer_train imports its own package
-or a package of a lower layer in the data flow, never one beside or above it; and the library
-never imports the Hydra entry points (``pipelines``) or Hydra itself. Every import counts: at
-module level, inside functions, and under ``if TYPE_CHECKING:``."""
+or a package of a lower layer in the data flow, never one beside or above it; no two modules
+import each other, directly or round a circle (inside a package too); and the library never
+imports the Hydra entry points (``pipelines``) or Hydra itself. Every import counts: at module
+level, inside functions, and under ``if TYPE_CHECKING:``, so a function-local import cannot
+hide a circle."""
 
 from __future__ import annotations
 
@@ -60,8 +62,8 @@ def _unit(module: str) -> str | None:
 
 def _imports(path: Path) -> Iterator[tuple[str, int]]:
     """(imported module, line) for every import in the file, relative ones resolved. For
-    ``from package import name`` the target is ``package.name`` when ``package`` is
-    nimmer_train's root (its names are its modules), else ``package``."""
+    ``from package import name`` the target is ``package.name`` when that is a module of
+    nimmer_train (``from nimmer_train.agent import curiosity``), else ``package``."""
     module, is_package = _module_name(path)
     package = module.split(".") if is_package else module.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -74,11 +76,15 @@ def _imports(path: Path) -> Iterator[tuple[str, int]]:
                 base = ".".join(parent + ([node.module] if node.module else []))
             else:
                 base = node.module or ""
-            if not node.module or base == "nimmer_train":
-                for alias in node.names:
-                    yield f"{base}.{alias.name}", node.lineno
-            else:
-                yield base, node.lineno
+            for alias in node.names:
+                named = f"{base}.{alias.name}"
+                yield (named if not node.module or _is_module(named) else base), node.lineno
+
+
+def _is_module(name: str) -> bool:
+    """Whether a dotted name is a module or package of nimmer_train (a file under LIBRARY)."""
+    path = REPO.joinpath(*name.split("."))
+    return name.startswith("nimmer_train.") and (path.with_suffix(".py").is_file() or path.is_dir())
 
 
 def _library() -> list[Path]:
@@ -125,3 +131,56 @@ def test_library_never_imports_pipelines_or_hydra() -> None:
         if target.split(".")[0] in FORBIDDEN
     ]
     assert not offending, "the library imports the Hydra entry points or Hydra:\n" + "\n".join(offending)
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_import_circles() -> None:
+    graph: dict[str, set[str]] = {}
+    lines: dict[tuple[str, str], int] = {}
+    for path in _library():
+        module, _ = _module_name(path)
+        for target, line in _imports(path):
+            if _is_module(target) and target != module:
+                graph.setdefault(module, set()).add(target)
+                lines.setdefault((module, target), line)
+    circles = _circles(graph)
+    described = [
+        " <-> ".join(members)
+        + ": "
+        + ", ".join(
+            f"{a}:{lines[a, b]} imports {b}" for a in members for b in sorted(graph[a]) if b in members
+        )
+        for members in circles
+    ]
+    assert not circles, "modules that import each other round a circle:\n" + "\n".join(described)

@@ -144,7 +144,7 @@ def test_ttl_boundary_and_stalled_goals(tmp_path: Path) -> None:
     clock.now = start + 7 * DAY + 1
     assert consolidate(agent)["primary"]["stalled_goals"] == 1  # type: ignore[index]
     assert agent.memory_status()["goals"] == [
-        {"id": agent._uid("primary", goal), "text": "My goal is to reopen the mill", "stalled": True}
+        {"id": agent.uid("primary", goal), "text": "My goal is to reopen the mill", "stalled": True}
     ]
     agent.close()
 

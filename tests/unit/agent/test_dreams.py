@@ -130,7 +130,7 @@ def test_replay_raises_only_its_seeds(tmp_path: Path) -> None:
     assert len(seeds) == 3
     for entry_id in ids:
         if entry_id in seeds:
-            gain = out["gains"][agent._uid("primary", entry_id)]
+            gain = out["gains"][agent.uid("primary", entry_id)]
             assert gain in {round(0.1 * (1 - 0.6**k) / 0.4, 6) for k in range(1, 8)}
             assert after[entry_id] == pytest.approx(min(1.0, before[entry_id] + gain))
         else:

@@ -86,7 +86,7 @@ def test_every_crystal_has_one_creation_audit_row_and_skills_are_born_frozen(tmp
     assert rows == [(ids[0], None, "generated"), (ids[1], None, "frozen")]
     with pytest.raises(Exception, match="ttl_s"):
         agent.add([CrystalSpec("no ttl given", "note", lifespan="ttl")])
-    uids = [agent._uid("primary", i) for i in ids]
+    uids = [agent.uid("primary", i) for i in ids]
     (insight,) = agent.add(
         [CrystalSpec("facts and skills meet at the bakery", "dream", source_ids=tuple(uids))]
     )

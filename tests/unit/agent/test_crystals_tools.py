@@ -10,7 +10,8 @@ import pytest
 from mcp import Client
 
 from nimmer_train.agent.mcp_server import build_server
-from nimmer_train.agent.tools import Tool, ToolArgumentError, UnknownTool, memory_tools
+from nimmer_train.agent.tool_registry import Tool, ToolArgumentError, UnknownTool
+from nimmer_train.agent.tools import memory_tools
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.player_memory import Mode
 from tests.helpers.memory import agent_memory

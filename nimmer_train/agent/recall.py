@@ -1,0 +1,203 @@
+"""What an agent reads back: ``memory_search`` (hybrid search over the stores a mode allows, with
+its bookkeeping: access counts, generated -> activated, the search log) and ``memory_get``
+(exact lines of a workspace file). The fusion itself is search.py's; this module runs it over a
+:class:`~nimmer_train.agent.crystal_store.CrystalStore`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from nimmer_train.agent.crystal_store import CrystalStore
+from nimmer_train.agent.crystals import Crystal, load, transition
+from nimmer_train.agent.search import SearchWeights, fuse, keyword_ranked, recency, weighted
+from nimmer_train.errors import NimmerError
+from nimmer_train.memory.player_memory import Mode, as_mode
+
+Hit = tuple[float, float, str, int]  # (score, similarity, store, entry id)
+
+
+def memory_search(
+    agent: CrystalStore,
+    query: str,
+    max_results: int = 6,
+    min_score: float = 0.2,
+    mode: Mode = Mode.REALWORLD,
+    include_superseded: bool = False,
+    include_expired: bool = False,
+    vector: np.ndarray | None = None,
+    use_text: bool = True,
+    record_access: bool = True,
+) -> list[dict[str, object]]:
+    """Hybrid search (see search.py) over the stores ``mode`` allows; logs the search and
+    counts an access on every hit (a generated crystal becomes activated)."""
+    if not query.strip():
+        raise NimmerError("query: empty; say what to search for")
+    if max_results < 1:
+        raise NimmerError(f"maxResults: {max_results} must be at least 1")
+    mode = as_mode(mode)
+    q = agent.embedder.embed([query])[0] if vector is None else vector
+    now = agent.clock()
+    w = agent.search_weights(now)
+    hits: list[Hit] = []
+    with agent.lock:
+        for store in agent.stores(mode):
+            hits += _scored(
+                agent,
+                store,
+                query,
+                q,
+                max_results,
+                min_score,
+                w,
+                now,
+                include_superseded,
+                include_expired,
+                use_text,
+            )
+        hits.sort(key=lambda h: (-h[0], h[2], h[3]))
+        hits = hits[:max_results]
+        found: list[tuple[Hit, Crystal]] = []
+        log_store = "clasp" if mode is Mode.IN_BETWEEN else "primary"  # a clasp query stays in clasp
+        for store in agent.stores(mode):
+            mine = [h for h in hits if h[2] == store]
+            crystals = load(agent.db(store), [h[3] for h in mine], store)
+            _bookkeep(
+                agent, store, mine, crystals, hits if store == log_store else None, query, now, record_access
+            )
+            agent.after_commit(store)
+            found += [(h, crystals[h[3]]) for h in mine]
+    found.sort(key=lambda pair: (-pair[0][0], pair[0][2], pair[0][3]))
+    out = []
+    for (score, sim, _store, _id), crystal in found:
+        item = crystal.public()
+        item.update(score=round(score, 6), similarity=round(sim, 6))
+        if crystal.path and crystal.start_line:
+            item["citation"] = f"{crystal.path}#L{crystal.start_line}-L{crystal.end_line}"
+        out.append(item)
+    return out
+
+
+def _scored(
+    agent: CrystalStore,
+    store: str,
+    query: str,
+    q: np.ndarray,
+    max_results: int,
+    min_score: float,
+    w: SearchWeights,
+    now: float,
+    include_superseded: bool,
+    include_expired: bool,
+    use_text: bool,
+) -> list[Hit]:
+    """One store's candidates (by vector and by keyword), fused and weighted; a candidate counts
+    when its cosine reaches ``min_score`` or the keywords found it."""
+    db, index = agent.db(store), agent.index(store)
+    mask = index.mask(include_superseded, include_expired)
+    by_vector = index.nearest(q, w.candidates * max_results, mask)
+    n_text = w.text_candidates * max_results
+    by_text = keyword_ranked(db, index, query, n_text, mask, w.text_min_idf_share) if use_text else []
+    fused = fuse(by_vector, by_text, w)
+    keyword_hits = {i for i, _ in by_text}
+    sims = dict(by_vector)
+    sims.update(index.similarity(q, [i for i in keyword_hits if i not in sims]))
+    rows = (
+        {
+            r[0]: r[1:]
+            for r in db.execute(
+                f"SELECT entry_id, valid_from, importance, valid_to IS NOT NULL FROM crystals "
+                f"WHERE entry_id IN ({', '.join('?' * len(fused))})",
+                list(fused),
+            )
+        }
+        if fused
+        else {}
+    )
+    stale = set(fused) - set(rows)  # deleted on this connection (issue 5's pruning)
+    if stale:
+        index.remove(stale)
+    hits = []
+    for entry_id, value in fused.items():
+        if entry_id in stale:
+            continue
+        valid_from, imp, closed = rows[entry_id]
+        score = weighted(value, recency(valid_from, now, w.recency_half_life_h), imp, w, closed)
+        if sims.get(entry_id, 0.0) >= min_score or entry_id in keyword_hits:
+            hits.append((score, sims.get(entry_id, 0.0), store, entry_id))
+    return hits
+
+
+def _bookkeep(
+    agent: CrystalStore,
+    store: str,
+    mine: list[Hit],
+    crystals: dict[int, Crystal],
+    logged: list[Hit] | None,
+    query: str,
+    now: float,
+    record_access: bool,
+) -> None:
+    """Count accesses on ``mine`` (generated -> activated) and log the search (``logged``).
+
+    Soft state, so committed without an fsync (WAL, synchronous=NORMAL: the store stays
+    consistent after a crash, the last few counts may be lost); a search stays fast.
+    """
+    db = agent.db(store)
+    db.execute("PRAGMA synchronous=NORMAL")
+    try:
+        with db:
+            if record_access and mine:
+                db.executemany(
+                    "UPDATE entries SET access_count = access_count + 1, last_access = ? WHERE id = ?",
+                    [(now, h[3]) for h in mine],
+                )
+                for h in mine:
+                    if crystals[h[3]].lifecycle == "generated":
+                        transition(db, h[3], "activated", "retrieved by memory_search", now)
+            if logged is not None:
+                scores, sims = [h[0] for h in logged], [h[1] for h in logged]
+                db.execute(
+                    "INSERT INTO memory_search_log (at, query, results, top_score, mean_score, "
+                    "top_similarity, mean_similarity) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        now,
+                        query,
+                        len(logged),
+                        max(scores, default=None),
+                        float(np.mean(scores)) if scores else None,
+                        max(sims, default=None),
+                        float(np.mean(sims)) if sims else None,
+                    ),
+                )
+    finally:
+        db.execute("PRAGMA synchronous=FULL")
+
+
+def memory_get(agent: CrystalStore, path: str, start: int = 1, lines: int | None = None) -> dict[str, object]:
+    """Exact lines of a workspace memory file: ``lines`` lines from line ``start`` (1-based)."""
+    target = workspace_file(agent.folder, path)
+    if start < 1:
+        raise NimmerError(f"from: {start} must be 1 or more (lines are numbered from 1)")
+    if lines is not None and lines < 1:
+        raise NimmerError(f"lines: {lines} must be 1 or more")
+    try:
+        all_lines = target.read_bytes().decode("utf-8").splitlines()
+    except FileNotFoundError as exc:
+        raise NimmerError(f"path: {path} does not exist in {agent.folder}") from exc
+    except UnicodeDecodeError as exc:
+        raise NimmerError(f"path: {path} is not valid UTF-8 (byte {exc.start})") from exc
+    end = len(all_lines) if lines is None else min(len(all_lines), start - 1 + lines)
+    chosen = all_lines[start - 1 : end]
+    return {"path": path, "from": start, "lines": len(chosen), "text": "\n".join(chosen)}
+
+
+def workspace_file(folder: Path, path: str) -> Path:
+    """The file of a workspace path (MEMORY.md, memory/*.md, skills/...); nothing outside."""
+    relative = Path(path)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise NimmerError(f"path: {path!r} must be relative to the agent folder, without '..'")
+    if not (relative == Path("MEMORY.md") or relative.parts[0] in ("memory", "skills")):
+        raise NimmerError(f"path: {path!r} is not a memory file (MEMORY.md, memory/*.md or skills/...)")
+    return folder / relative
