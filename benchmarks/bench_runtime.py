@@ -28,7 +28,6 @@ the second time in reverse order after the sweep (1, 2, 4, 8, 16, then 8, 1; on 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import statistics
@@ -113,7 +112,7 @@ def _workload(registers: list[str], tokens: int, turns: int) -> list[tuple[Any, 
         render_compact,
     )
     from nimmer_train.voice.registers import load_catalogue
-    from nimmer_train.voice.sampling import for_turn
+    from nimmer_train.voice.sampling import shape_knobs
 
     catalogue = load_catalogue()
     out = []
@@ -121,7 +120,7 @@ def _workload(registers: list[str], tokens: int, turns: int) -> list[tuple[Any, 
         register = registers[i % len(registers)]
         spec = catalogue.get(register)
         prompt = gate_prompt(spec, i)
-        knobs = dataclasses.replace(for_turn(catalogue, register, spec.traits), max_new_tokens=tokens)
+        knobs = shape_knobs(catalogue, register, spec.traits, max_new_tokens=tokens).knobs
         out.append((render_compact(prompt), register, knobs, TURN_SCHEMA if i % 2 else None, 1000 + i))
     return out
 

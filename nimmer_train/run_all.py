@@ -19,7 +19,9 @@ The stage contract, which every ``nimmer_train/<package>/stage.py`` honours:
 
 Two stages differ by nature and say so: ``publish`` allocates the next version label in the
 registry (publishing the same inputs again returns the existing version), and ``speak`` is
-inference: it writes ``runtime/turns.json`` atomically each time it runs.
+inference: it writes ``runtime/turns.json`` atomically each time it runs. The demo composes its
+other sessions on the spoken version (mood, voice report, agent memory, dreams) around the speak
+stage (``runtime/demo_sessions.speak_demo``), in its MLflow run.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from nimmer_train.base.stage import build_base_stage
 from nimmer_train.config import Config
 from nimmer_train.corpus.ingest import IngestResult
 from nimmer_train.corpus.stage import ingest_stage
+from nimmer_train.publish.listing import print_versions
 from nimmer_train.synth.stage import synthesize_stage
 from nimmer_train.synth.synthesize import SynthResult
 
@@ -59,9 +62,11 @@ class RunAllResult:
 
 def run_all(cfg: Config) -> RunAllResult:
     """Every stage in order, each a nested run under one parent run in experiment run_all."""
+    # heavy (peft, trl, flwr, the runtime's engine): loaded when run_all runs, not on import
     from nimmer_train.federation.stage import federate_stage
     from nimmer_train.loras.stage import train_loras_stage
     from nimmer_train.publish.stage import publish_stage
+    from nimmer_train.runtime.demo_sessions import speak_demo
     from nimmer_train.runtime.voice_eval import candidate_report
 
     speak = None
@@ -77,9 +82,7 @@ def run_all(cfg: Config) -> RunAllResult:
             else None
         )
         if published and published.versions and cfg.runtime.enabled:  # speak through what was published
-            from nimmer_train.runtime.stage import speak_stage
-
-            speak = speak_stage(cfg, pipeline="run_all")
+            speak = speak_demo(cfg, pipeline="run_all")
     return RunAllResult(corpus, synth, base, loras, federation, published, speak)
 
 
@@ -103,8 +106,6 @@ def print_summary(cfg: Config, result: RunAllResult) -> None:
             f"loss gain {gain.value:.3f} [{gain.low:.3f}, {gain.high:.3f}] (utterance tokens)"
         )
     if versions:
-        from nimmer_train.publish.listing import print_versions
-
         print(f"\n$ nimmer versions --releases {cfg.publish.releases_dir} list")
         print_versions(Path(cfg.publish.releases_dir))
     if cfg.tracking.enabled:

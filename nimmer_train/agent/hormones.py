@@ -44,7 +44,7 @@ The voice: :meth:`Hormones.affect_shift` is the tone's departure from rest as (v
 arousal) offsets that the runtime adds to a turn's affect (clamped to the DSL's ranges), so an
 agent at rest speaks exactly as without hormones, and the sampling knobs stay inside the
 register's affect band (temperature x [0.8, 1.2] of its trait-shifted baseline, see
-voice/sampling.for_turn). :meth:`Hormones.prompt_hints` gives the guidance hints that differ from
+voice/sampling.shape_knobs). :meth:`Hormones.prompt_hints` gives the guidance hints that differ from
 rest (tone words only, never the emotion's name) for the prompt's memory scope.
 
 Persistence: ``hormones.sqlite`` in the agent folder, schema-versioned (PRAGMA user_version, as

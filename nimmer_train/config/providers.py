@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nimmer_train.errors import ConfigError
-from nimmer_train.voice.sampling import SamplingKnobs
+from nimmer_train.voice.sampling import KNOBS, SamplingKnobs
 
-KNOBS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
 STRUCTURED = ("json_schema", "json_mode", "tool_call")
 
 
@@ -73,7 +72,11 @@ def config_warnings(provider: str) -> list[str]:
 
 def adapt(knobs: SamplingKnobs, provider: str) -> tuple[SamplingKnobs, list[str]]:
     """The knobs as ``provider`` can take them, and the warnings: unsupported knobs dropped (left
-    as they are here, never sent), a temperature outside the provider's range clamped into it."""
+    as they are here, never sent), a temperature outside the provider's range clamped into it.
+
+    Not part of shaping (:func:`nimmer_train.voice.sampling.shape_knobs`): Ring C applies it to
+    the shaped knobs at the wire, because only the ring knows its provider (after routing), and the
+    turn records the knobs as shaped, with what the wire lost as feature_compat_warnings."""
     row = profile(provider)
     warnings = config_warnings(provider)
     if knobs.no_repeat_ngram_size:  # no provider's API has it (the request bodies never send it)

@@ -14,12 +14,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from nimmer_train.agent.ingestion import Exchange
 from nimmer_train.config.providers import route
 from nimmer_train.errors import NimmerError
-from nimmer_train.runtime.director import direct
+from nimmer_train.memory.canon import assemble
+from nimmer_train.memory.player_memory import Mode, as_mode
 from nimmer_train.runtime.rings import Ring, RingReply
 from nimmer_train.runtime.selection import RegisterSelector, SelectionConfig
-from nimmer_train.voice import sampling
 from nimmer_train.voice.prompt_dsl import (
     TURN_SCHEMA,
     AffectState,
@@ -29,6 +30,7 @@ from nimmer_train.voice.prompt_dsl import (
     validate_reply,
 )
 from nimmer_train.voice.registers import Register, RegistersConfig
+from nimmer_train.voice.sampling import SamplingKnobs, shape_knobs
 
 log = logging.getLogger(__name__)
 CONTEXT_SLACK = 24  # chat-template tokens and JSON quoting around the memory items
@@ -53,7 +55,7 @@ class TurnRequest:
     district: str = "lower-ring"
     npc_traits: dict[str, float] | None = None  # null: the selected register's profile
     affect: AffectState = field(default_factory=lambda: AffectState("calm"))
-    events: tuple[str, ...] = ()  # game events for the NPC's hormones (memory/hormones.py EVENTS)
+    events: tuple[str, ...] = ()  # game events for the NPC's hormones (agent/hormones.py EVENTS)
     tier: str = "casual"  # which ring serves it: the player's casual or deep tier
     director: dict[str, float] | None = None  # per-turn knob overrides, within the register's bounds
     output_schema: dict[str, Any] = field(default_factory=lambda: dict(TURN_SCHEMA))
@@ -91,8 +93,8 @@ class NpcRuntime:
         budgets: dict[str, int] | None = None,  # knowledge-stack tokens per layer
         registers: list[str] | None = None,  # registers that can speak; null: the catalogue
         max_new_tokens: int | None = None,  # null: the knobs' default
-        transcripts: Any = None,  # a memory.ingestion.TranscriptIndexer; None: exchanges not indexed
-        hormones: dict[str, Any] | None = None,  # NPC name -> memory.hormones.Hormones; else no mood
+        transcripts: Any = None,  # an agent.ingestion.TranscriptIndexer; None: exchanges not indexed
+        hormones: dict[str, Any] | None = None,  # NPC name -> agent.hormones.Hormones; else no mood
         session_id: str | None = None,  # the transcripts' session id; null: a fresh one
     ) -> None:
         self.max_new_tokens = max_new_tokens
@@ -122,8 +124,6 @@ class NpcRuntime:
         layer only for an in-process ring (``ring.local``; a ring that does not say is remote)."""
         if self.memory is None:
             return MemoryScope(layers=(), items=())
-        from nimmer_train.memory.canon import assemble
-
         budgets = dict(self.budgets)
         if ring.context_tokens:
             room = (
@@ -139,8 +139,6 @@ class NpcRuntime:
     def speak(self, req: TurnRequest, mode: Any = None) -> Turn:
         """One turn; ``mode`` is a Mode or its value ("realworld", "in_between"; None:
         realworld); any other value is refused before anything is generated or written."""
-        from nimmer_train.memory.player_memory import Mode, as_mode
-
         mode = Mode.REALWORLD if mode is None else as_mode(mode)
         t = {"start": time.perf_counter()}
         name = self.selector(req.npc).update(req.gesture)
@@ -151,9 +149,11 @@ class NpcRuntime:
         register = self.catalogue.get(name)
         t["select"] = time.perf_counter()
         traits = req.npc_traits or register.traits
-        req, hints = self._mood(req)
-        knobs = self._knobs(req, name, traits)
-        knobs, directed = direct(self.catalogue, name, knobs, req.director)
+        req, hints = self._mood(req)  # hormones -> the turn's affect
+        a = req.affect
+        knobs, directed = shape_knobs(
+            self.catalogue, name, traits, a.arousal, a.valence, req.director, self.max_new_tokens
+        )
         if directed:
             log.info("turn of %s: director overrides %s", req.npc, directed)
         t["knobs"] = time.perf_counter()
@@ -196,9 +196,6 @@ class NpcRuntime:
         training export never shares such an entry. Its category is the write-back's
         (casual_dialog); the agent folder's own consent record governs it, which is the
         player's record only when the agent folder is the player's folder."""
-        from nimmer_train.agent.ingestion import Exchange
-        from nimmer_train.memory.player_memory import Mode
-
         store = "clasp" if mode is Mode.IN_BETWEEN else "primary"
         n = self.turns_spoken.get((req.npc, store), 0) + 1
         turn_id = f"{req.npc}-clasp-t{n}" if store == "clasp" else f"{req.npc}-t{n}"
@@ -220,13 +217,6 @@ class NpcRuntime:
             raise NimmerError(f"tier {tier!r} has no ring; configured: {', '.join(self.rings)}")
         return self.rings[tier]
 
-    def _knobs(self, req: TurnRequest, name: str, traits: dict[str, float]) -> sampling.SamplingKnobs:
-        """The register's knobs for these traits and this affect (the runtime's length cap, if set)."""
-        knobs = sampling.for_turn(self.catalogue, name, traits, req.affect.arousal, req.affect.valence)
-        if self.max_new_tokens:
-            knobs = dataclasses.replace(knobs, max_new_tokens=self.max_new_tokens)
-        return knobs
-
     def _prompt(
         self,
         req: TurnRequest,
@@ -234,7 +224,7 @@ class NpcRuntime:
         ring: Ring,
         register: Register,
         traits: dict[str, float],
-        knobs: sampling.SamplingKnobs,
+        knobs: SamplingKnobs,
         hints: tuple[str, ...] = (),
     ) -> TurnPrompt:
         """The turn's prompt: the bare prompt first, then the memory that fits beside it."""
@@ -272,8 +262,6 @@ class NpcRuntime:
 def clasp_withheld(mode: Any, ring: Ring) -> list[str]:
     """The warning a turn carries when the in-between's clasp layer was left out of its prompt
     because its ring is remote (the clasp has no transport path)."""
-    from nimmer_train.memory.player_memory import Mode, as_mode
-
     if as_mode(mode) is Mode.IN_BETWEEN and getattr(ring, "local", False) is not True:
         return [f"clasp_layer_withheld_remote_ring_{ring.name}"]
     return []
@@ -294,7 +282,7 @@ def _speak_valid(
     prompt: TurnPrompt,
     register: Register,
     name: str,
-    knobs: sampling.SamplingKnobs,
+    knobs: SamplingKnobs,
     schema: dict[str, Any],
 ) -> _Attempts:
     """Generate through the ring and validate against ``schema``; unconstrained output gets one
@@ -328,7 +316,7 @@ def _speak_valid(
 def _turn(
     npc: str,
     name: str,
-    knobs: sampling.SamplingKnobs,
+    knobs: SamplingKnobs,
     attempts: _Attempts,
     seconds: float,
     timings: dict[str, float],

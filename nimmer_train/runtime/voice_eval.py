@@ -28,14 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nimmer_train.artifacts import MANIFEST, README, file_table, intact_manifest, read_manifest
+from nimmer_train.artifacts import MANIFEST, README, file_table, intact_manifest, read_manifest, synth_path
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import read_metadata
 from nimmer_train.publish.release import PublishRequest, _stage_model
 from nimmer_train.publish.versions import VerifiedVersion
 from nimmer_train.runtime.local_model import LocalModel
+from nimmer_train.voice.composition import expand
 from nimmer_train.voice.prompt_dsl import TurnPrompt, render_compact
 from nimmer_train.voice.quality import GeneratedTurn, VoiceReport, heldout_summary, score, seed_classifier
+from nimmer_train.voice.sampling import shape_knobs
 
 if TYPE_CHECKING:
     from nimmer_train.config import Config, VoiceEvalConfig
@@ -61,7 +63,7 @@ def heldout_of_synths(fingerprints: Collection[str], artifacts: Path) -> Heldout
     ``artifacts/synth/*-<fingerprint[:12]>/stats.json``); None when one is not found."""
     held: list[set[str]] = []
     for fp in sorted(set(fingerprints)):
-        found = sorted((artifacts / "synth").glob(f"*-{fp[:12]}/stats.json"))
+        found = sorted(artifacts.glob(f"{synth_path(Path(), '*', fp).as_posix()}/stats.json"))  # any spec
         stats = json.loads(found[0].read_text()) if found else {}
         if "heldout_scenes" not in stats:
             return None
@@ -84,7 +86,7 @@ def heldout_of_adapters(folders: Collection[Path], artifacts: Path) -> Heldout |
 
 def heldout_of_config(composition: CompositionConfig, validation_fraction: float) -> Heldout:
     """The fallback: the scenes the current config's ``curation.validation_fraction`` holds out."""
-    from nimmer_train.synth.synthesize import heldout_scenes
+    from nimmer_train.synth.synthesize import heldout_scenes  # heavy (datasets): only on this fallback
 
     held = heldout_scenes([s.name for s in composition.scenes], validation_fraction)
     return Heldout(
@@ -130,8 +132,6 @@ def eval_prompts(
 ) -> list[EvalPrompt]:
     """``per_register`` prompts per register, a seeded draw from the composition's prompts in
     ``scenes`` (every scene when empty), each with its own generation seed."""
-    from nimmer_train.voice.composition import expand
-
     spec = dataclasses.replace(composition, registers=None, per_register=None)
     held = set(scenes) or {s.name for s in spec.scenes}
     requests = [r for r in expand(spec, catalogue) if r.tags["scene"] in held]
@@ -158,14 +158,13 @@ def generate_turns(
     """Each prompt spoken through Ring A (compact DSL, the register's LoRA or, for the merged
     register, the weights alone, the runtime's knobs, the schema's grammar), all submitted
     together so that the engine batches them."""
-    from nimmer_train.voice.sampling import for_turn
-
     speaking = {*model.registers, *([model.merged_register] if model.merged_register else [])}
 
     def one(p: EvalPrompt) -> GeneratedTurn:
         a = p.prompt.affect_state
-        knobs = for_turn(catalogue, p.register, p.prompt.trait_vector, a.arousal, a.valence)
-        knobs = dataclasses.replace(knobs, max_new_tokens=max_new_tokens)
+        knobs = shape_knobs(
+            catalogue, p.register, p.prompt.trait_vector, a.arousal, a.valence, None, max_new_tokens
+        ).knobs
         adapter = p.register if p.register in speaking else None  # none speak: the bare weights
         started = time.perf_counter()
         try:

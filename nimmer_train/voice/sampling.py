@@ -1,15 +1,24 @@
 """Sampling knobs for one turn: temperature, top-p, top-k, repetition penalty, min-p, and the
-no-repeat n-gram guard."""
+no-repeat n-gram guard; a register's baseline and the bounds a director may move it within, side
+by side; :func:`shape_knobs`, the one function that shapes a turn's knobs; and the knobs applied
+as logits processors for the in-process decoders."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from nimmer_train.errors import NimmerError
 from nimmer_train.voice.registers import RegistersConfig
 
 if TYPE_CHECKING:  # transformers loads only when a decoder does
     from transformers import LogitsProcessorList
+
+KNOBS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")  # what a director may set
+TEMPERATURE_RANGE, TOP_P_RANGE = (0.05, 2.0), (0.1, 1.0)  # what any turn's knobs are clamped into
+TEMPERATURE_SPAN, TOP_P_SPAN = 0.3, 0.15  # how far a director may move them from the baseline
 
 
 @dataclass(frozen=True)
@@ -65,21 +74,52 @@ def from_traits(traits: dict[str, float]) -> tuple[float, float]:
     return 0.7 - 0.5 * restraint, 0.78 - 0.2 * restraint
 
 
-def _clamp(value: float, low: float, high: float) -> float:
-    return min(high, max(low, value))
+def bounds(catalogue: RegistersConfig, register: str) -> dict[str, tuple[float, float]]:
+    """The (low, high) a director may set each knob to for ``register`` (design: "Runtime sampling
+    knobs", "per-turn director-controlled levers"): the baseline's temperature +-0.3 and top-p
+    +-0.15, and top-k, repetition penalty and min-p within the span of the register's variety
+    level and its neighbours on the catalogue's variety ladder. The director shades a register's
+    voice; it cannot make the hivemind sound like a drunk scavenger."""
+    base = baseline(catalogue, register)
+    ladder = sorted(catalogue.variety, key=lambda level: catalogue.variety[level].top_k)
+    i = ladder.index(catalogue.get(register).sampling.variety)
+    near = [catalogue.variety[level] for level in ladder[max(0, i - 1) : i + 2]]
+    span = {k: (min(getattr(v, k) for v in near), max(getattr(v, k) for v in near)) for k in KNOBS[2:]}
+    (t_low, t_high), (p_low, p_high) = TEMPERATURE_RANGE, TOP_P_RANGE
+    return {
+        "temperature": (
+            max(t_low, base.temperature - TEMPERATURE_SPAN),
+            min(t_high, base.temperature + TEMPERATURE_SPAN),
+        ),
+        "top_p": (max(p_low, base.top_p - TOP_P_SPAN), min(p_high, base.top_p + TOP_P_SPAN)),
+        **span,
+    }
 
 
-def for_turn(
+class TurnKnobs(NamedTuple):
+    """A turn's knobs, and what the director moved (``{knob: {"from": shaped, "to": directed}}``,
+    the record the turn logs; empty when nothing was overridden)."""
+
+    knobs: SamplingKnobs
+    director_overrides: dict[str, dict[str, float]]
+
+
+def shape_knobs(
     catalogue: RegistersConfig,
     register: str,
     traits: dict[str, float] | None = None,
     arousal: float = 0.5,
     valence: float = 0.0,
-) -> SamplingKnobs:
-    """The knobs for one turn: the register's row of the scene table, shifted by how far this
-    NPC's trait vector sits from the register's profile, then modulated by affect (arousal heats
-    and widens, up to +-20% temperature; distress (negative valence) discourages repetition),
-    with the register's variety level's no-repeat n-gram guard."""
+    director: Mapping[str, float] | None = None,
+    max_new_tokens: int | None = None,
+) -> TurnKnobs:
+    """The knobs for one turn, the only place they are shaped: the register's row of the scene
+    table, shifted by how far this NPC's trait vector sits from the register's profile, then
+    modulated by affect (after mood: arousal heats and widens, up to +-20% temperature; distress
+    (negative valence) discourages repetition), with the register's variety level's no-repeat
+    n-gram guard and the runtime's length cap (None: the knobs' default); last, the director's
+    overrides, each within the register's :func:`bounds` (an unknown knob or a value outside them
+    is refused, naming knob, value and bounds)."""
     knobs = baseline(catalogue, register)
     temperature, top_p = knobs.temperature, knobs.top_p
     if traits:
@@ -88,15 +128,38 @@ def for_turn(
         temperature, top_p = temperature + own_t - reg_t, top_p + own_p - reg_p
     temperature *= 1 + 0.4 * (arousal - 0.5)
     top_p += 0.1 * (arousal - 0.5)
-    return SamplingKnobs(
-        temperature=round(_clamp(temperature, 0.05, 2.0), 4),
-        top_p=round(_clamp(top_p, 0.1, 1.0), 4),
-        top_k=knobs.top_k,
+    shaped = dataclasses.replace(
+        knobs,
+        temperature=round(_clamp(temperature, *TEMPERATURE_RANGE), 4),
+        top_p=round(_clamp(top_p, *TOP_P_RANGE), 4),
         repetition_penalty=round(knobs.repetition_penalty + 0.05 * max(0.0, -valence), 4),
-        min_p=knobs.min_p,
-        max_new_tokens=knobs.max_new_tokens,
+        max_new_tokens=max_new_tokens or knobs.max_new_tokens,
         no_repeat_ngram_size=catalogue.variety[catalogue.get(register).sampling.variety].no_repeat_ngram_size,
     )
+    if not director:
+        return TurnKnobs(shaped, {})
+    _check_director(catalogue, register, director)
+    record = {knob: {"from": getattr(shaped, knob), "to": value} for knob, value in director.items()}
+    typed = {k: int(v) if k == "top_k" else float(v) for k, v in director.items()}
+    return TurnKnobs(dataclasses.replace(shaped, **typed), record)
+
+
+def _check_director(catalogue: RegistersConfig, register: str, director: Mapping[str, float]) -> None:
+    """Refuse an override of an unknown knob or one outside ``register``'s :func:`bounds`."""
+    limits = bounds(catalogue, register)
+    for knob, value in director.items():
+        if knob not in KNOBS:
+            raise NimmerError(f"director override {knob!r}: not a sampling knob; known: {', '.join(KNOBS)}")
+        low, high = limits[knob]
+        if not isinstance(value, int | float) or not low - 1e-9 <= value <= high + 1e-9:
+            raise NimmerError(
+                f"director override {knob}={value!r} is outside register {register!r}'s bounds "
+                f"[{low:g}, {high:g}]; choose a value inside them or another register"
+            )
+
+
+def _clamp(value: float, low: float, high: float) -> float:
+    return min(high, max(low, value))
 
 
 # What ``generate`` itself is told when the knobs come as :func:`knob_processors`: sample, with its

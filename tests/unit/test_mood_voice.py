@@ -17,7 +17,7 @@ from nimmer_train.runtime.local_model import LocalModel
 from nimmer_train.runtime.rings import RingA
 from nimmer_train.runtime.turn import NpcRuntime, TurnRequest
 from nimmer_train.voice.registers import load_catalogue
-from nimmer_train.voice.sampling import for_turn
+from nimmer_train.voice.sampling import shape_knobs
 from tests.helpers.memory import Clock
 from tests.helpers.published import publish_registers
 
@@ -68,7 +68,7 @@ def test_a_reward_warms_the_next_turn_and_hours_later_it_is_at_rest(
     runtime = NpcRuntime(
         CATALOGUE, {"casual": ring}, registers=[REGISTER], max_new_tokens=48, hormones={"mira": hormones}
     )
-    rest = for_turn(CATALOGUE, REGISTER, PROFILE, 0.5, 0.0).as_dict() | {"max_new_tokens": 48}
+    rest = shape_knobs(CATALOGUE, REGISTER, PROFILE, 0.5, 0.0, max_new_tokens=48).knobs.as_dict()
     high = 1.2 * rest["temperature"]  # the top of the register's affect band (x0.8 .. x1.2)
 
     before = runtime.speak(_request())
@@ -109,7 +109,7 @@ def test_capped_hormones_keep_the_knobs_inside_the_register_band(model: LocalMod
         max_new_tokens=48,
         hormones={"mira": hormones},
     )
-    rest = for_turn(CATALOGUE, REGISTER, PROFILE, 0.5, 0.0)
+    rest = shape_knobs(CATALOGUE, REGISTER, PROFILE, 0.5, 0.0).knobs
     events = ("achievement", "reward", "urgency", "error") * 4
     turn = runtime.speak(_request("Hurry, the gate! We did it, thank you friend!", events=events))
     assert max(hormones.levels().values()) == 1.0  # capped

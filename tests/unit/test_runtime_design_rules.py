@@ -17,12 +17,11 @@ from nimmer_train.config.providers import HIVEMIND_KEY_ENV, ProviderProfile
 from nimmer_train.errors import ConfigError, NimmerError
 from nimmer_train.memory.player_memory import Mode, PlayerMemory
 from nimmer_train.memory.sync import open_player
-from nimmer_train.runtime.director import bounds
 from nimmer_train.runtime.rings import RingC, RingConfig, RingReply, player_rings, word_count
 from nimmer_train.runtime.turn import NpcRuntime, TurnRequest
 from nimmer_train.voice.prompt_dsl import render_compact
 from nimmer_train.voice.registers import load_catalogue
-from nimmer_train.voice.sampling import SamplingKnobs
+from nimmer_train.voice.sampling import SamplingKnobs, bounds
 from tests.helpers.llm_server import serve
 from tests.helpers.memory import HashEmbedder
 

@@ -23,7 +23,7 @@ from nimmer_train.runtime.rings import RingA, RingB, RingC, RingConfig
 from nimmer_train.runtime.turn import NpcRuntime, TurnRequest
 from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, MemoryScope, TurnPrompt
 from nimmer_train.voice.registers import load_catalogue
-from nimmer_train.voice.sampling import for_turn
+from nimmer_train.voice.sampling import shape_knobs
 from tests.helpers import REPO
 from tests.helpers.llm_server import serve
 from tests.helpers.loopback import serve_app
@@ -140,7 +140,7 @@ def test_a_remote_ring_refuses_a_prompt_that_carries_the_clasp_layer() -> None:
         player_utterance="?",
     )
     seen: list[bytes] = []
-    knobs = for_turn(CATALOGUE, "drunk-scavenger", CATALOGUE.get("drunk-scavenger").traits, 0.5, 0.0)
+    knobs = shape_knobs(CATALOGUE, "drunk-scavenger", CATALOGUE.get("drunk-scavenger").traits).knobs
     register = CATALOGUE.get("drunk-scavenger")
     with serve_app(_our_server_stand_in(seen)) as url, serve(lambda body: REPLY) as provider:
         ring_b = RingB(RingConfig(ring="B", base_url=f"{url}/v1"))

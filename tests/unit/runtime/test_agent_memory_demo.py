@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from nimmer_train.agent.ingestion import Exchange
-from nimmer_train.runtime.stage import agent_memory_session, agent_transcripts
+from nimmer_train.runtime.demo_sessions import agent_memory_session, agent_transcripts
 
 
 def test_the_demo_agents_session_ends_in_a_truthful_memory_status(tmp_path: Path, capsys) -> None:

@@ -22,7 +22,7 @@ from nimmer_train.runtime.selection import RegisterSelector, SelectionConfig, co
 from nimmer_train.runtime.turn import NpcRuntime, TurnError, TurnRequest
 from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, render_compact
 from nimmer_train.voice.registers import load_catalogue
-from nimmer_train.voice.sampling import SamplingKnobs, for_turn
+from nimmer_train.voice.sampling import SamplingKnobs, shape_knobs
 from tests.helpers.llm_server import serve
 from tests.helpers.loopback import serve_app
 
@@ -246,9 +246,8 @@ def test_ring_a_and_ring_b_speak_valid_turns_per_register(tiny_model: LocalModel
                 )
                 validate(turn.reply, TURN_SCHEMA)
                 assert (turn.register, turn.adapter, turn.attempts) == (register, register, 1)
-                assert turn.knobs == for_turn(CATALOGUE, register, PROFILES[register], 0.5, 0.0).as_dict() | {
-                    "max_new_tokens": 48
-                }
+                shaped = shape_knobs(CATALOGUE, register, PROFILES[register], 0.5, 0.0, max_new_tokens=48)
+                assert turn.knobs == shaped.knobs.as_dict()
 
 
 @pytest.mark.slow

@@ -260,12 +260,12 @@ def test_the_card_shows_the_confusion_copies_and_a_merged_register() -> None:
 
 
 def test_a_stale_voice_report_is_removed_when_voice_eval_is_off(tmp_path: Path) -> None:
-    from nimmer_train.runtime.stage import VOICE_FILE, _voice
+    from nimmer_train.runtime.demo_sessions import VOICE_FILE, voice_session
     from tests.helpers.compose import config
 
     stale = tmp_path / VOICE_FILE
     stale.write_text("{}")
-    assert _voice(config("publish.voice_eval.enabled=false"), None, stale, None) is None  # type: ignore[arg-type]
+    assert voice_session(config("publish.voice_eval.enabled=false"), None, stale, None) is None  # type: ignore[arg-type]
     assert not stale.exists()
 
 
@@ -330,8 +330,8 @@ def test_publish_card_and_speak_output_carry_the_voice_report(tmp_path: Path) ->
     from nimmer_train.publish.release import PublishRequest, already_published, publish_version
     from nimmer_train.publish.signing import Keyring
     from nimmer_train.publish.versions import open_version
+    from nimmer_train.runtime.demo_sessions import VOICE_FILE, voice_session
     from nimmer_train.runtime.local_model import LocalModel
-    from nimmer_train.runtime.stage import VOICE_FILE, _voice
     from nimmer_train.runtime.voice_eval import candidate_report
     from tests.helpers.compose import config
     from tests.helpers.published import publish_registers
@@ -356,7 +356,7 @@ def test_publish_card_and_speak_output_carry_the_voice_report(tmp_path: Path) ->
 
     model = LocalModel.open(releases, "v1", trusted)
     try:
-        spoken = _voice(cfg, model, tmp_path / "runtime" / VOICE_FILE, None)
+        spoken = voice_session(cfg, model, tmp_path / "runtime" / VOICE_FILE, None)
     finally:
         model.close()
     written = json.loads((tmp_path / "runtime" / VOICE_FILE).read_text())
@@ -365,7 +365,7 @@ def test_publish_card_and_speak_output_carry_the_voice_report(tmp_path: Path) ->
     # the version published here records its report: speak measures as its card did
     model = LocalModel.open(releases, version.label, trusted)
     try:
-        again = _voice(config(), model, tmp_path / "runtime" / VOICE_FILE, None)
+        again = voice_session(config(), model, tmp_path / "runtime" / VOICE_FILE, None)
     finally:
         model.close()
     assert again is not None and again.settings["turns_per_register"] == 2

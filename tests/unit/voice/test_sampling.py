@@ -1,4 +1,5 @@
-"""Per-turn sampling knobs: the design's scene table per register, moved by traits and affect."""
+"""Per-turn sampling knobs: the design's scene table per register, moved by traits and affect,
+capped in length and overridden by the director within the register's bounds."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from nimmer_train.voice.registers import load_catalogue
-from nimmer_train.voice.sampling import baseline, for_turn
+from nimmer_train.voice.sampling import baseline, bounds, shape_knobs
 
 CATALOGUE = load_catalogue()
 
@@ -14,21 +15,42 @@ CATALOGUE = load_catalogue()
 def test_knobs_follow_the_scene_table_traits_and_affect() -> None:
     for name in CATALOGUE.names:  # the register's own profile at neutral affect: the design's row
         table = baseline(CATALOGUE, name)
-        turn = for_turn(CATALOGUE, name, CATALOGUE.get(name).traits)
+        turn = shape_knobs(CATALOGUE, name, CATALOGUE.get(name).traits).knobs
         assert turn == dataclasses.replace(table, no_repeat_ngram_size=6)  # the runtime's guard
     assert (
         baseline(CATALOGUE, "drunk-scavenger").temperature,
         baseline(CATALOGUE, "caste-preacher").top_p,
     ) == (1.1, 0.6)
-    calm = for_turn(CATALOGUE, "clasp-confession", None, arousal=0.1)
-    agitated = for_turn(CATALOGUE, "clasp-confession", None, arousal=0.9, valence=-0.8)
+    calm = shape_knobs(CATALOGUE, "clasp-confession", None, arousal=0.1).knobs
+    agitated = shape_knobs(CATALOGUE, "clasp-confession", None, arousal=0.9, valence=-0.8).knobs
     assert agitated.temperature > calm.temperature and agitated.top_p > calm.top_p
     assert agitated.repetition_penalty > calm.repetition_penalty
     restrained = dict(CATALOGUE.get("clasp-confession").traits, Sophrosyne=0.9)
     assert (
-        for_turn(CATALOGUE, "clasp-confession", restrained).temperature
+        shape_knobs(CATALOGUE, "clasp-confession", restrained).knobs.temperature
         < baseline(CATALOGUE, "clasp-confession").temperature
     )
+
+
+def test_the_length_cap_and_the_directors_overrides_are_shaped_in_the_same_call() -> None:
+    import pytest
+
+    from nimmer_train.errors import NimmerError
+
+    plain = shape_knobs(CATALOGUE, "caste-preacher", max_new_tokens=48)
+    assert plain.director_overrides == {} and plain.knobs.max_new_tokens == 48
+    low, high = bounds(CATALOGUE, "caste-preacher")["temperature"]
+    directed = shape_knobs(CATALOGUE, "caste-preacher", director={"temperature": high, "top_k": 15})
+    assert directed.knobs == dataclasses.replace(plain.knobs, temperature=high, top_k=15, max_new_tokens=160)
+    assert directed.director_overrides == {
+        "temperature": {"from": plain.knobs.temperature, "to": high},
+        "top_k": {"from": plain.knobs.top_k, "to": 15},
+    }
+    with pytest.raises(NimmerError, match=r"outside register 'caste-preacher'.s bounds"):
+        shape_knobs(CATALOGUE, "caste-preacher", director={"temperature": high + 0.1})
+    with pytest.raises(NimmerError, match="not a sampling knob"):
+        shape_knobs(CATALOGUE, "caste-preacher", director={"max_new_tokens": 10})
+    assert low < plain.knobs.temperature < high
 
 
 def test_sample_rows_draws_each_rows_distribution_and_never_a_masked_token() -> None:
@@ -111,7 +133,7 @@ def test_the_ngram_guard_is_checked_in_the_config_dropped_by_ring_c_and_safe_pas
     (tmp_path / "v1.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match=r"registers\.variety\.low\.no_repeat_ngram_size.*\[0, 64\]"):
         load_catalogue(path=tmp_path / "v1.yaml")
-    guarded = for_turn(CATALOGUE, "drunk-scavenger")
+    guarded = shape_knobs(CATALOGUE, "drunk-scavenger").knobs
     for provider in ("anthropic", "together"):
         assert "no_repeat_ngram_size_unsupported_dropped" in adapt(guarded, provider)[1]
     assert (
