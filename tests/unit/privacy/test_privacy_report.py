@@ -5,7 +5,6 @@ canary exposure (DP beside a non-DP control) under the record-level epsilon."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -13,8 +12,8 @@ import numpy as np
 import pytest
 
 from nimmer_train.artifacts import MANIFEST, README
-from nimmer_train.cli import show_version
-from nimmer_train.config.federated import FederatedConfig
+from nimmer_train.cli.versions import show_version
+from nimmer_train.config.federated import AuditConfig, FederatedConfig, LocalRecipeConfig
 from nimmer_train.errors import ConfigError
 from nimmer_train.federation.client import example_text
 from nimmer_train.federation.exposure_audit import a2_recipe, canary_exposure, exposure_record
@@ -83,7 +82,7 @@ def test_the_card_quotes_canary_exposure_under_the_a2_epsilon(tmp_path: Path) ->
     the card and in ``nimmer versions show``'s report (an untrained micro base: the figures' values
     are test_exposure's subject, their report is this test's)."""
     base, adapter, _ = tiny_release(tmp_path, MICRO, ALL_LINEAR)
-    settings = dataclasses.replace(FederatedConfig(), local_steps=3)
+    settings = FederatedConfig(local=LocalRecipeConfig(steps=3))
     pool = [example_text(e) for e in heldout_examples(24, seed=4)]
     report = canary_exposure(
         base, adapter, pool, a2_recipe(settings), rounds=2, delta=settings.delta, per_count=1,
@@ -91,7 +90,7 @@ def test_the_card_quotes_canary_exposure_under_the_a2_epsilon(tmp_path: Path) ->
     )  # fmt: skip
     exposure = exposure_record(report, rounds=2, a2_runs=1, control_steps=3, seconds=1.0)
     # the DP run is the node's mechanism: 2 rounds of 3 steps at the public rate, as accounted
-    rate = accounted_rate(public_sample_rate(settings.batch_size, settings.max_examples))
+    rate = accounted_rate(public_sample_rate(settings.local.batch_size, settings.local.max_examples))
     assert exposure["dp_epsilon"] == pytest.approx(epsilon([(1.0, rate, 6)], settings.delta), rel=1e-6)
     assert exposure["references"] == 200 and "dp_examples" not in exposure and "examples" not in exposure
     assert exposure["dp_mean_exposure_up_to_4x"] == pytest.approx(np.mean(report.dp[:2]))
@@ -129,7 +128,7 @@ def test_a_published_version_with_an_a2_node_carries_its_canary_exposure(tiny_ru
 
 
 def test_exposure_sizes_out_of_range_fail_naming_the_key() -> None:
-    with pytest.raises(ConfigError, match="federated.exposure_references"):
-        FederatedConfig(exposure_references=10**6)  # no room for 10^6 other secrets of 10^6
-    with pytest.raises(ConfigError, match="federated.exposure_canaries"):
-        FederatedConfig(exposure_canaries=-1)
+    with pytest.raises(ConfigError, match="federated.audit.references"):
+        FederatedConfig(audit=AuditConfig(references=10**6))  # no room for 10^6 other secrets of 10^6
+    with pytest.raises(ConfigError, match="federated.audit.canaries"):
+        FederatedConfig(audit=AuditConfig(canaries=-1))

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nimmer_train import cli
+from nimmer_train.cli.serve import serve_api_key
 from nimmer_train.errors import NimmerError
 from nimmer_train.runtime.engine import Done, Job
 from nimmer_train.runtime.local_model import LocalModel
@@ -172,14 +172,12 @@ def test_bearer_token_auth(monkeypatch: pytest.MonkeyPatch) -> None:
         assert ok.status_code == 200 and len(engine.calls) == 1
     # the CLI refuses to bind beyond loopback without a token, and a short token
     with pytest.raises(NimmerError, match="beyond loopback"):
-        cli.serve_api_key("0.0.0.0", None)
+        serve_api_key("0.0.0.0", None)
     monkeypatch.setenv("SERVE_KEY", "short")
     with pytest.raises(NimmerError, match="shorter than 16"):
-        cli.serve_api_key("0.0.0.0", "SERVE_KEY")
+        serve_api_key("0.0.0.0", "SERVE_KEY")
     monkeypatch.setenv("SERVE_KEY", "k" * 32)
-    assert (
-        cli.serve_api_key("0.0.0.0", "SERVE_KEY") == "k" * 32 and cli.serve_api_key("127.0.0.1", None) is None
-    )
+    assert serve_api_key("0.0.0.0", "SERVE_KEY") == "k" * 32 and serve_api_key("127.0.0.1", None) is None
 
 
 # 9. malformed requests: OpenAI-style 400s naming the field
