@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from nimmer_train.config.federated import LocalDPConfig, LocalRecipeConfig
 from nimmer_train.federation.client import example_text
 from nimmer_train.federation.exposure_audit import canary_exposure
 from nimmer_train.federation.local_training import LocalTrainingConfig
@@ -75,18 +76,22 @@ def record_level(smoke: bool) -> dict[str, object]:
         base, adapter = pretrained_release(Path(tmp), 2 if smoke else 150)
         pool = [example_text(e) for e in heldout_examples(16, seed=4)]
         dp = LocalTrainingConfig(
-            local_steps=steps // 2,
-            batch_size=16,
-            lr=3.0,
-            max_length=48,
-            max_examples=len(pool) + 21 * per_count + 4,
-            dp_noise_multiplier=1.0,
-            dp_max_grad_norm=0.1,
-            grad_sample_mode="hooks",
+            LocalRecipeConfig(
+                steps=steps // 2,
+                batch_size=16,
+                lr=3.0,
+                max_length=48,
+                max_examples=len(pool) + 21 * per_count + 4,
+            ),
+            LocalDPConfig(noise_multiplier=1.0, max_grad_norm=0.1, grad_sample_mode="hooks"),
             seed=0,
             public_rate=True,
         )
-        control = dataclasses.replace(dp, dp_noise_multiplier=0.0, dp_max_grad_norm=1.0, lr=1.0)
+        control = dataclasses.replace(
+            dp,
+            recipe=dataclasses.replace(dp.recipe, lr=1.0),
+            dp=dataclasses.replace(dp.dp, noise_multiplier=0.0, max_grad_norm=1.0),
+        )
         report = canary_exposure(
             base, adapter, pool, dp, rounds=rounds, delta=1e-5, per_count=per_count, references=references,
             control=control,

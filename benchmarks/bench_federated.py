@@ -25,7 +25,15 @@ from typing import Any
 
 import numpy as np
 
-from nimmer_train.config.federated import FederatedConfig, PrivacySweepConfig
+from nimmer_train.config.federated import (
+    AuditConfig,
+    FederatedConfig,
+    LocalDPConfig,
+    LocalRecipeConfig,
+    PrivacySweepConfig,
+    SimulationConfig,
+    UserDPConfig,
+)
 from nimmer_train.federation.population import SketchEmbedder, build_population
 from nimmer_train.federation.simulator import Simulator
 from nimmer_train.federation.stage import FederationPlan, run_federation
@@ -38,19 +46,20 @@ SEED = 3
 def settings_for(population: int, cohort: int, rounds: int) -> FederatedConfig:
     return FederatedConfig(
         rounds=rounds,
-        contributors=population - 1,  # + the A.2 node: N nodes
-        population=["A1_federated"],
-        fraction_fit=cohort / population,
-        noise_multiplier=0.8,
-        clipping_norm=1.0,
-        lr=1.0,
-        local_steps=2,
-        local_dp=False,
         min_participants=1,
-        entries_per_player=24,
         heldout_examples=16,
         delta=1e-6,
-        exposure_canaries=0,  # the federation's seconds, not its canary audit's (bench_audit)
+        user_dp=UserDPConfig(fraction_fit=cohort / population, noise_multiplier=0.8, clipping_norm=1.0),
+        local=LocalRecipeConfig(lr=1.0, steps=2),
+        local_dp=LocalDPConfig(on_devices=False),
+        audit=AuditConfig(
+            canaries=0,  # the federation's seconds, not its canary audit's (bench_audit)
+        ),
+        simulation=SimulationConfig(
+            contributors=population - 1,  # + the A.2 node: N nodes
+            population=["A1_federated"],
+            entries_per_player=24,
+        ),
     )
 
 
@@ -71,14 +80,18 @@ def run(smoke: bool = False) -> dict[str, object]:
         base, adapter, params = tiny_release(folder / "release")
         settings = settings_for(population, cohort, rounds)
         if smoke:  # seconds, not minutes: SecAgg+'s extra stages only in the full run
-            settings = dataclasses.replace(settings, secure_aggregation=False, simulation_cpus=1)
+            settings = dataclasses.replace(
+                settings,
+                secagg=dataclasses.replace(settings.secagg, enabled=False),
+                simulation=dataclasses.replace(settings.simulation, cpus=1),
+            )
         plan = FederationPlan(base, adapter, "caste-preacher", "b" * 64, folder / "out", folder / "flower")
         flower: list[dict[str, Any]] = []
         draws = np.random.default_rng(SEED)  # both paths sample the same cohorts (and smoke's is never empty)
         started = time.perf_counter()
         run_federation(plan, settings, flower.append, SketchEmbedder(), {"rng": lambda: draws})
         flower_total = time.perf_counter() - started
-        plain = dataclasses.replace(settings, secure_aggregation=False)
+        plain = dataclasses.replace(settings, secagg=dataclasses.replace(settings.secagg, enabled=False))
         pop = build_population(folder / "sim-devices", plain, SketchEmbedder())
         simulator = Simulator.load(base, adapter, pop, plain)
         state = simulator.run(plain, folder / "sim", np.random.default_rng(SEED), evaluate_every=1)

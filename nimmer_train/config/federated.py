@@ -1,19 +1,27 @@
-"""Federation settings: the one source of the Hydra group ``federated`` and of the Flower app's
-run config (``flwr run federated --run-config 'rounds=3 ...'`` uses the same field names, with
-dashes), so simulation and deployment read the same values.
+"""Federation settings: the one source of the Hydra group ``federated``, of the Flower app's run
+config and of the fit config the server sends its nodes, so simulation and deployment read the
+same values under the same names.
+
+The settings come in groups (``secagg``, ``user_dp``, ``local``, ``local_dp``, ``a2``, ``audit``,
+``simulation``) over a few top-level ones. A setting keeps its name everywhere: Hydra's
+``federated.user_dp.noise_multiplier`` is ``user-dp.noise-multiplier`` in the run config
+(``flwr run federated --run-config 'user-dp.noise-multiplier=0.5'``: Flower flattens nested TOML
+tables and dotted keys to exactly this form) and in the fit config. Each group writes and reads
+its own keys (:meth:`Group.to_fit_config`, :meth:`Group.from_fit_config`), derived from its
+field names: no key list is kept by hand.
 
 The defaults live only here. ``federated/pyproject.toml``'s ``[tool.flwr.app.config]`` table,
-which Flower needs to know the keys, is generated from this dataclass by
+which Flower needs to know the keys, is generated from these dataclasses by
 :mod:`nimmer_train.config.flower_app` (a test fails while it is stale).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, ClassVar, Self
 
 from nimmer_train.errors import ConfigError
 
@@ -29,74 +37,202 @@ SECAGG_MODULUS_RANGE = 2**32
 SECAGG_MAX_NODES = SECAGG_MODULUS_RANGE // SECAGG_QUANTIZATION_RANGE - 1  # 1023
 FAULTS = ("crash", "nan", "wrong_shape", "wrong_dtype")
 PLACES = ("base_dir", "work_dir", "out_dir", "a2_pool", "tracking_uri")  # deployed server's run config
-SIMULATION_ONLY = (
-    "enabled",
-    "register",
-    "contributors",
-    "population",
-    "population_rest",
-    "entries_per_player",
-    "faults",
-    "simulation_cpus",
-)
+SIMULATION_ONLY = ("enabled", "register", "simulation")  # fields (a group: all of it) no deployment reads
+
+
+def dashed(name: str) -> str:
+    """A field name as a run-config or fit-config key: ``noise_multiplier`` -> ``noise-multiplier``."""
+    return name.replace("_", "-")
+
+
+def _to_scalar(f: Field[Any], value: Any) -> Any:
+    """Run and fit configs hold scalars only: lists as JSON text, null as "" (0.0 for a number)."""
+    if isinstance(value, list):
+        return json.dumps(value)
+    if value is None:
+        return 0.0 if str(f.type).startswith("float") else ""
+    return value
+
+
+def _from_scalar(f: Field[Any], key: str, value: Any) -> Any:
+    """The field's value from its scalar form (:func:`_to_scalar`); a wrong type is a ConfigError."""
+    kind = str(f.type)
+    base = kind.split(" | ")[0]
+    try:
+        if base.startswith("list"):
+            items = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise TypeError
+            return items
+        if kind.endswith("| None") and not isinstance(value, bool) and value in ("", 0):
+            return None  # run configs have no null
+        if base == "bool" or isinstance(value, bool):
+            if base != "bool" or not isinstance(value, bool):
+                raise TypeError
+            return value
+        if base == "int" and float(value) != int(float(value)):
+            raise ValueError
+        return {"int": lambda v: int(float(v)), "float": float, "str": str}[base](value)
+    except (TypeError, ValueError, json.JSONDecodeError) as exc:
+        raise ConfigError(key, f"want {kind}, got {value!r}") from exc
+
+
+class Group:
+    """A settings group: its keys in run and fit configs are ``KEY.<field, dashed>``."""
+
+    KEY: ClassVar[str]
+
+    def to_fit_config(self) -> dict[str, Any]:
+        return {f"{self.KEY}.{dashed(f.name)}": _to_scalar(f, getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_fit_config(cls, config: Mapping[str, Any]) -> Self:
+        """The group from a fit or run config's keys; a key it lacks takes the schema's default."""
+        values = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            key = f"{cls.KEY}.{dashed(f.name)}"
+            if key in config:
+                values[f.name] = _from_scalar(f, key, config[key])
+        return cls(**values)
 
 
 @dataclass
-class FederatedConfig:
-    """Rounds, participation, the two DP mechanisms, accounting and the simulated population."""
+class SecAggConfig(Group):
+    """SecAgg+: the server only sees the sum of the masked contributions."""
 
-    enabled: bool = True  # run_all runs a federation after the register LoRAs
-    register: str | None = None  # the register adapter the federation improves; null: the first trained
-    adapter_dir: str | None = None  # start from this adapter folder; null: the one train_loras made
-    rounds: int = 2
-    # participation (robustness)
-    min_participants: int = 3  # fewer surviving contributors than this: the round makes no update
-    fraction_fit: float = 1.0  # share of the nodes sampled per round (the q of user-level accounting)
-    # N of the user-level mechanism: every released mean is (clipped sum + noise) / (q N), a fixed
-    # denominator, never the survivors; 0: the simulated nodes (contributors + the A.2 node). A
-    # deployment sets it to the population its SuperNodes are drawn from.
-    population_size: int = 0
-    round_timeout: float = 300.0  # seconds a node may take per SecAgg+ stage before it counts as gone
-    secure_aggregation: bool = True  # SecAgg+ (the server only sees the sum); false: plain FedAvg
-    # SecAgg+ key shares per node (itself and its ring neighbours) and the shares needed to unmask;
+    KEY: ClassVar[str] = "secagg"
+    enabled: bool = True  # false: plain FedAvg (simulation only: a deployed client always masks)
+    # key shares per node (itself and its ring neighbours) and the shares needed to unmask;
     # <= 1: a fraction of the nodes sampled (1.0: every node, the most dropout-tolerant), > 1: a count
-    secagg_shares: float = 1.0
-    secagg_threshold: float = 0.5
-    # A.1 user-level DP: clipped on the client, Gaussian noise on the sum at the server
-    clipping_norm: float = 10.0  # local DP-SGD noise dominates an update's norm; clip above it
-    noise_multiplier: float = 1.0  # 0 only with no_privacy
-    # local DP-SGD, on every A.1 device and on the server-operated A.2 client
-    local_steps: int = 6
+    shares: float = 1.0
+    threshold: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.shares > 1 and (self.shares % 2 == 0 or self.shares != int(self.shares)):
+            raise ConfigError(
+                "federated.secagg.shares", "a count must be odd (the node and pairs of neighbours)"
+            )
+        if self.shares <= 0 or self.threshold <= 0:
+            raise ConfigError("federated.secagg.shares", "shares and threshold must be > 0")
+        if (self.shares > 1) == (self.threshold > 1) and self.threshold > self.shares:
+            raise ConfigError("federated.secagg.threshold", "cannot exceed federated.secagg.shares")
+
+    def flower_args(self) -> tuple[int | float, int | float]:
+        """(num_shares, reconstruction_threshold) as Flower reads them: a float is a fraction."""
+        return tuple(v if v <= 1 else int(v) for v in (self.shares, self.threshold))  # type: ignore[return-value]
+
+
+@dataclass
+class UserDPConfig(Group):
+    """A.1 user-level DP-FedAvg: nodes Poisson-sampled at rate q from N, each contribution clipped
+    to C on the client, N(0, (z C)^2) on the sum at the server, released over the fixed q N."""
+
+    KEY: ClassVar[str] = "user-dp"
+    # N: every released mean is (clipped sum + noise) / (q N), a fixed denominator, never the
+    # survivors; 0: the simulated nodes (contributors + the A.2 node). A deployment sets it to the
+    # population its SuperNodes are drawn from.
+    population_size: int = 0
+    fraction_fit: float = 1.0  # q: the share of the nodes sampled per round
+    clipping_norm: float = 10.0  # C: local DP-SGD noise dominates an update's norm; clip above it
+    noise_multiplier: float = 1.0  # z; 0 only with no_privacy
+
+    def __post_init__(self) -> None:
+        if self.population_size < 0:
+            raise ConfigError("federated.user_dp.population_size", "must be >= 0 (0: the simulated nodes)")
+        if not 0 < self.fraction_fit <= 1:
+            raise ConfigError("federated.user_dp.fraction_fit", "must be in (0, 1]")
+        if self.clipping_norm <= 0:
+            raise ConfigError("federated.user_dp.clipping_norm", "must be > 0")
+        if self.noise_multiplier < 0:
+            raise ConfigError("federated.user_dp.noise_multiplier", "must be >= 0")
+
+
+@dataclass
+class LocalRecipeConfig(Group):
+    """The local training recipe of every node (A.1 devices and the server-operated A.2 client)."""
+
+    KEY: ClassVar[str] = "local"
+    steps: int = 6
     batch_size: int = 16
-    lr: float = 3.0  # SGD on clipped per-sample gradients: the step is lr * dp_max_grad_norm
+    lr: float = 3.0  # SGD on clipped per-sample gradients: the step is lr * local_dp.max_grad_norm
     max_length: int = 48  # tokens per example
     # examples a device trains on at most; the A.2 pool trains on all of its examples at the public
     # Poisson rate batch_size / max_examples (its size stays out of its epsilon)
     max_examples: int = 256
-    # local DP-SGD on A.1 devices (a record-level layer under the user-level noise); false: plain
-    # local SGD on the device (deterministic given the round's seed), the user-level mechanism alone
-    local_dp: bool = True
-    dp_noise_multiplier: float = 1.0  # 0 only with no_privacy
-    dp_max_grad_norm: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "max_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"federated.local.{name}", "must be >= 1")
+
+
+@dataclass
+class LocalDPConfig(Group):
+    """Local DP-SGD (Opacus): always on the server-operated A.2 client, on A.1 devices unless
+    ``on_devices`` is false (a record-level layer under the user-level noise)."""
+
+    KEY: ClassVar[str] = "local-dp"
+    # false: plain local SGD on A.1 devices (deterministic given the round's seed), the user-level
+    # mechanism alone
+    on_devices: bool = True
+    noise_multiplier: float = 1.0  # 0 only with no_privacy
+    max_grad_norm: float = 0.1  # per-example clip
     grad_sample_mode: str = "hooks"  # hooks | ghost (Opacus ghost clipping)
-    # A.2 anonymised pool
-    a2_k: int = 2  # the intake refuses to train with fewer uploads than this
+
+    def __post_init__(self) -> None:
+        if self.noise_multiplier < 0:
+            raise ConfigError("federated.local_dp.noise_multiplier", "must be >= 0")
+        if self.grad_sample_mode not in ("hooks", "ghost"):
+            raise ConfigError("federated.local_dp.grad_sample_mode", "must be hooks or ghost")
+
+
+@dataclass
+class A2Config(Group):
+    """The A.2 anonymised pool (its DP-SGD is ``local_dp``'s): its k and the noised release of its
+    counts. The counts' noise keeps its ``count_`` prefix: ``a2.noise_multiplier`` would read as
+    the pool's DP-SGD noise."""
+
+    KEY: ClassVar[str] = "a2"
+    k: int = 2  # the intake refuses to train with fewer uploads than this
     # the pool's published counts (uploads, examples per category): Gaussian noise of std
     # count_noise_multiplier * sqrt(2) on each, one step of the A.2 record-level ledger
     count_noise_multiplier: float = 5.0  # 0 only with no_privacy
-    # accounting
-    delta: float = 1.0e-5
-    epsilon_budget: float | None = None  # stop before a round that would pass it (A.1 or A.2)
-    no_privacy: bool = False  # an experiment without DP: noise multipliers may be 0, no epsilon published
-    # record-level audit (issue 14): Secret-Sharer canaries planted 1, 4 and 16 times among the A.2
-    # pool's lines, the A.2 node's DP-SGD over the released rounds and a non-DP control, each
-    # canary ranked among exposure_references candidates; 0 canaries: no audit
-    exposure_canaries: int = 4  # canaries per planting count
-    exposure_references: int = 10_000  # reference candidates per canary (exposure at most log2 of it)
-    exposure_control_steps: int = 0  # the control's local steps per round; 0: the run's local_steps
-    # server-side held-out evaluation: a synthetic player generated on the server, never a contributor
-    heldout_examples: int = 64
-    # simulation: virtual contributors built from synthetic players
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ConfigError("federated.a2.k", "must be >= 1")
+        if self.count_noise_multiplier < 0:
+            raise ConfigError("federated.a2.count_noise_multiplier", "must be >= 0")
+
+
+@dataclass
+class AuditConfig(Group):
+    """The record-level audit (issue 14): Secret-Sharer canaries planted 1, 4 and 16 times among
+    the A.2 pool's lines, the A.2 node's DP-SGD over the released rounds and a non-DP control,
+    each canary ranked among ``references`` candidates; 0 canaries: no audit."""
+
+    KEY: ClassVar[str] = "audit"
+    canaries: int = 4  # canaries per planting count
+    references: int = 10_000  # reference candidates per canary (exposure at most log2 of it)
+    control_steps: int = 0  # the control's local steps per round; 0: the run's local.steps
+
+    def __post_init__(self) -> None:
+        for name in ("canaries", "control_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    f"federated.audit.{name}", "must be >= 0 (0: no canary audit / the run's steps)"
+                )
+        if not 1 <= self.references < 10**6:
+            raise ConfigError(
+                "federated.audit.references", "must be in [1, 10^6): the secrets' space is 10^6"
+            )
+
+
+@dataclass
+class SimulationConfig(Group):
+    """The simulated population: virtual contributors built from synthetic players."""
+
+    KEY: ClassVar[str] = "simulation"
     contributors: int = 6
     population: list[str] = field(
         default_factory=lambda: [
@@ -112,79 +248,90 @@ class FederatedConfig:
     # uploads: the list, then A1_federated); null: the list repeats
     population_rest: str | None = None
     entries_per_player: int = 60
-    seed: int = 0
-    faults: list[str] = field(default_factory=list)  # simulation drills: "<fault>@<partition>.<round>"
+    faults: list[str] = field(default_factory=list)  # drills: "<fault>@<partition>.<round>"
     # the simulation engine's CPUs, one virtual node running per CPU (each a Ray actor that loads
     # the model stack); 0: the machine's cores, at most 4
-    simulation_cpus: int = 0
+    cpus: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("rounds", "min_participants", "local_steps", "batch_size", "max_length", "a2_k"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"federated.{name}", "must be >= 1")
-        if self.simulation_cpus < 0:
-            raise ConfigError("federated.simulation_cpus", "must be >= 0 (0: the machine's cores, at most 4)")
-        for name in ("exposure_canaries", "exposure_control_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"federated.{name}", "must be >= 0 (0: no canary audit / the run's steps)")
-        if not 1 <= self.exposure_references < 10**6:
-            raise ConfigError(
-                "federated.exposure_references", "must be in [1, 10^6): the secrets' space is 10^6"
-            )
-        if not 0 < self.fraction_fit <= 1:
-            raise ConfigError("federated.fraction_fit", "must be in (0, 1]")
-        if self.clipping_norm <= 0:
-            raise ConfigError("federated.clipping_norm", "must be > 0")
-        self._check_noise()
-        if not 0 < self.delta < 1:
-            raise ConfigError("federated.delta", "must be in (0, 1)")
-        if self.grad_sample_mode not in ("hooks", "ghost"):
-            raise ConfigError("federated.grad_sample_mode", "must be hooks or ghost")
-        if self.secagg_shares > 1 and (
-            self.secagg_shares % 2 == 0 or self.secagg_shares != int(self.secagg_shares)
-        ):
-            raise ConfigError(
-                "federated.secagg_shares", "a count must be odd (the node and pairs of neighbours)"
-            )
-        if self.secagg_shares <= 0 or self.secagg_threshold <= 0:
-            raise ConfigError("federated.secagg_shares", "shares and threshold must be > 0")
-        if (self.secagg_shares > 1) == (
-            self.secagg_threshold > 1
-        ) and self.secagg_threshold > self.secagg_shares:
-            raise ConfigError("federated.secagg_threshold", "cannot exceed federated.secagg_shares")
-        if self.population_size < 0:
-            raise ConfigError("federated.population_size", "must be >= 0 (0: the simulated nodes)")
-        cohort = self.fraction_fit * self.nodes()
-        spread = 4 * (cohort * (1 - self.fraction_fit)) ** 0.5  # Poisson cohorts vary: 4 std
-        if self.secure_aggregation and cohort + spread > SECAGG_MAX_NODES:
-            raise ConfigError(
-                "federated.fraction_fit",
-                f"an expected cohort of {cohort:g} nodes (q={self.fraction_fit:g} of {self.nodes()}) would "
-                f"often pass SecAgg+'s {SECAGG_MAX_NODES} nodes per round (its masked sum overflows its "
-                "modulus 2^32 at 1024, quantisation range 2^22 per node): lower federated.fraction_fit",
-            )
+        if self.cpus < 0:
+            raise ConfigError("federated.simulation.cpus", "must be >= 0 (0: the machine's cores, at most 4)")
         for tier in [*self.population, *([self.population_rest] if self.population_rest else [])]:
             if tier not in TIER_CHOICES:
-                raise ConfigError("federated.population", f"{tier!r} is not one of {', '.join(TIER_CHOICES)}")
+                raise ConfigError(
+                    "federated.simulation.population", f"{tier!r} is not one of {', '.join(TIER_CHOICES)}"
+                )
         for drill in self.faults:
             match = re.fullmatch(r"(\w+)@\d+\.\d+", drill)
             if not match or match.group(1) not in FAULTS:
                 raise ConfigError(
-                    "federated.faults",
+                    "federated.simulation.faults",
                     f"{drill!r}: want <fault>@<partition>.<round>, a fault in {', '.join(FAULTS)}",
                 )
+
+    def drills(self) -> dict[int, dict[int, str]]:
+        """{partition: {round: fault}} from ``faults``."""
+        out: dict[int, dict[int, str]] = {}
+        for drill in self.faults:
+            fault, where = drill.split("@")
+            partition, server_round = (int(x) for x in where.split("."))
+            out.setdefault(partition, {})[server_round] = fault
+        return out
+
+
+@dataclass
+class FederatedConfig:
+    """Rounds, participation and accounting, over the groups of the mechanisms and the simulation."""
+
+    enabled: bool = True  # run_all runs a federation after the register LoRAs
+    register: str | None = None  # the register adapter the federation improves; null: the first trained
+    adapter_dir: str | None = None  # start from this adapter folder; null: the one train_loras made
+    rounds: int = 2
+    min_participants: int = 3  # fewer real A.1 updates in a round's sum than this: no update
+    round_timeout: float = 300.0  # seconds a node may take per SecAgg+ stage before it counts as gone
+    # accounting
+    delta: float = 1.0e-5
+    epsilon_budget: float | None = None  # stop before a round that would pass it (A.1 or A.2)
+    no_privacy: bool = False  # an experiment without DP: noise multipliers may be 0, no epsilon published
+    # server-side held-out evaluation: a synthetic player generated on the server, never a contributor
+    heldout_examples: int = 64
+    seed: int = 0  # data order and initialisation on the nodes, the simulated players; never DP noise
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
+    user_dp: UserDPConfig = field(default_factory=UserDPConfig)
+    local: LocalRecipeConfig = field(default_factory=LocalRecipeConfig)
+    local_dp: LocalDPConfig = field(default_factory=LocalDPConfig)
+    a2: A2Config = field(default_factory=A2Config)
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("rounds", "min_participants"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"federated.{name}", "must be >= 1")
+        if not 0 < self.delta < 1:
+            raise ConfigError("federated.delta", "must be in (0, 1)")
+        self._check_noise()
+        q = self.user_dp.fraction_fit
+        cohort = q * self.nodes()
+        spread = 4 * (cohort * (1 - q)) ** 0.5  # Poisson cohorts vary: 4 std
+        if self.secagg.enabled and cohort + spread > SECAGG_MAX_NODES:
+            raise ConfigError(
+                "federated.user_dp.fraction_fit",
+                f"an expected cohort of {cohort:g} nodes (q={q:g} of {self.nodes()}) would "
+                f"often pass SecAgg+'s {SECAGG_MAX_NODES} nodes per round (its masked sum overflows its "
+                "modulus 2^32 at 1024, quantisation range 2^22 per node): lower "
+                "federated.user_dp.fraction_fit",
+            )
 
     def _check_noise(self) -> None:
         """Every DP mechanism's noise multiplier is > 0, unless ``no_privacy`` says this
         experiment makes no privacy claim (then no epsilon is published and no budget applies)."""
         noises = {
-            "noise_multiplier": self.noise_multiplier,
-            "dp_noise_multiplier": self.dp_noise_multiplier,
-            "count_noise_multiplier": self.count_noise_multiplier,
+            "user_dp.noise_multiplier": self.user_dp.noise_multiplier,
+            "local_dp.noise_multiplier": self.local_dp.noise_multiplier,
+            "a2.count_noise_multiplier": self.a2.count_noise_multiplier,
         }
         for name, value in noises.items():
-            if value < 0:
-                raise ConfigError(f"federated.{name}", "must be >= 0")
             if value == 0 and not self.no_privacy:
                 raise ConfigError(
                     f"federated.{name}",
@@ -198,50 +345,45 @@ class FederatedConfig:
 
     def nodes(self) -> int:
         """N: the population the user-level mechanism's fixed denominator q N assumes."""
-        return self.population_size or self.contributors + 1
+        return self.user_dp.population_size or self.simulation.contributors + 1
 
-    def drills(self) -> dict[int, dict[int, str]]:
-        """{partition: {round: fault}} from ``faults``."""
-        out: dict[int, dict[int, str]] = {}
-        for drill in self.faults:
-            fault, where = drill.split("@")
-            partition, server_round = (int(x) for x in where.split("."))
-            out.setdefault(partition, {})[server_round] = fault
-        return out
-
-    def secagg(self) -> tuple[int | float, int | float]:
-        """(num_shares, reconstruction_threshold) as Flower reads them: a float is a fraction."""
-        return tuple(v if v <= 1 else int(v) for v in (self.secagg_shares, self.secagg_threshold))  # type: ignore[return-value]
+    def fit_config(self) -> dict[str, Any]:
+        """What every node reads of the settings each round: the local recipe and its DP-SGD, the
+        A.2 pool's k, the user-level mechanism (a device computes the federation's epsilon from
+        its z and q), ``delta``, and ``seed``, which drives only data order and initialisation on
+        the nodes, never their DP noise or sampling masks."""
+        groups = (self.local, self.local_dp, self.a2, self.user_dp)
+        return {
+            "seed": self.seed,
+            "delta": self.delta,
+            **{k: v for g in groups for k, v in g.to_fit_config().items()},
+        }
 
     def to_run_config(self) -> dict[str, Any]:
-        """Flower run-config form: dashed keys, scalars only (lists and maps as JSON text)."""
+        """Flower run-config form: top-level keys dashed, a group's as ``group.key``, scalars only."""
         out: dict[str, Any] = {}
-        for key, value in dataclasses.asdict(self).items():
-            if isinstance(value, list | dict):
-                value = json.dumps(value)
-            if value is None:
-                value = 0.0 if key == "epsilon_budget" else ""
-            out[key.replace("_", "-")] = value
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out.update(
+                value.to_fit_config() if isinstance(value, Group) else {dashed(f.name): _to_scalar(f, value)}
+            )
         return out
 
     @classmethod
-    def from_run_config(cls, run_config: dict[str, Any]) -> FederatedConfig:
-        """Read the dashed run-config keys this app knows; unknown keys are an error."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
+        """Read the run-config keys this app knows (the places are the deployed app's); an
+        unknown key is an error."""
+        known = set(cls().to_run_config())
+        for key in run_config:
+            if key not in known and key.replace("-", "_") not in PLACES:
+                raise ConfigError(f"run-config {key}", f"unknown key; known: {', '.join(sorted(known))}")
         values: dict[str, Any] = {}
-        for key, value in run_config.items():
-            name = key.replace("-", "_")
-            if name in PLACES:
-                continue  # where things are: read by the deployed app, not settings
-            if name not in fields:
-                raise ConfigError(f"run-config {key}", f"unknown key; known: {', '.join(sorted(fields))}")
-            if name in ("population", "faults") and isinstance(value, str):
-                value = json.loads(value)
-            if name in ("register", "adapter_dir", "population_rest") and value == "":
-                value = None
-            if name == "epsilon_budget" and value == 0:
-                value = None  # run configs have no null: 0 means no budget
-            values[name] = value
+        for f in fields(cls):
+            group = f.default_factory
+            if isinstance(group, type) and issubclass(group, Group):
+                values[f.name] = group.from_fit_config(run_config)
+            elif dashed(f.name) in run_config:
+                values[f.name] = _from_scalar(f, dashed(f.name), run_config[dashed(f.name)])
         return cls(**values)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nimmer_train.artifacts import REPO_ROOT
-from nimmer_train.config.federated import PLACES, SIMULATION_ONLY, FederatedConfig
+from nimmer_train.config.federated import PLACES, SIMULATION_ONLY, FederatedConfig, dashed
 from nimmer_train.errors import ConfigError
 
 APP_PYPROJECT = REPO_ROOT / "federated" / "pyproject.toml"
@@ -35,20 +35,21 @@ def _toml_value(value: Any) -> str:
 
 def app_config_table() -> str:
     """``[tool.flwr.app.config]`` for the Flower app: the server's places (empty: set them with
-    ``--run-config``), then every deployment setting at its schema default."""
-    settings = FederatedConfig().to_run_config()
+    ``--run-config``), then every deployment setting at its schema default, a group's under its
+    dotted keys (``user-dp.noise-multiplier``: Flower reads TOML dotted keys and tables as the
+    same flattened ``group.key``, and ``--run-config`` overrides them as written)."""
     lines = [
         _BEGIN,
         "[tool.flwr.app.config]",
         "# places on the server: absolute paths, set with --run-config",
     ]
-    lines += [f'{name.replace("_", "-")} = ""' for name in PLACES[:1]]
+    lines += [f'{dashed(name)} = ""' for name in PLACES[:1]]
     lines.append('adapter-dir = ""  # the register adapter the federation improves')
-    lines += [f'{name.replace("_", "-")} = ""' for name in PLACES[1:]]
+    lines += [f'{dashed(name)} = ""' for name in PLACES[1:]]
     lines.append("# settings: FederatedConfig's defaults (0 for epsilon-budget: no budget)")
-    skip = {"adapter_dir", *SIMULATION_ONLY}
-    for key, value in settings.items():
-        if key.replace("-", "_") not in skip:
+    skip = {dashed(name) for name in ("adapter_dir", *SIMULATION_ONLY)}
+    for key, value in FederatedConfig().to_run_config().items():
+        if key.split(".")[0] not in skip:
             lines.append(f"{key} = {_toml_value(value)}")
     lines.append(_END)
     return "\n".join(lines) + "\n"

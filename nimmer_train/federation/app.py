@@ -23,7 +23,8 @@ from nimmer_train.federation.client import Contributor, Node
 from nimmer_train.federation.mods import clip_mod, drill_mod, equal_weight_mod, refusal_mod, validate_mod
 
 if TYPE_CHECKING:  # the server side needs torch; a SuperNode's per-message processes should not
-    from nimmer_train.federation.rounds import Report, ServerSetup, ServerState
+    from nimmer_train.federation.checkpoint import ServerState
+    from nimmer_train.federation.rounds import Report, ServerSetup
 
 NodeOf = Callable[[Context], Node]
 

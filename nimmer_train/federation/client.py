@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 from flwr.client import NumPyClient
 
+from nimmer_train.config.federated import A2Config, UserDPConfig, dashed
 from nimmer_train.errors import NimmerError
-from nimmer_train.federation.wire import A1_UPDATE
+from nimmer_train.federation.wire import A1_RELEASED, A1_UPDATE
 from nimmer_train.memory import contributions
 from nimmer_train.memory.consent import (
     ConsentRecord,
@@ -53,7 +54,11 @@ DEVICE_ACCOUNTANT = "federated_accountant.json"  # beside the device's stores
 POOL_ACCOUNTANT = "a2_accountant.json"  # beside the A.2 pool
 # fit-config keys of the server's user-level mechanism: its noise multiplier z, the Poisson rate
 # q at which nodes are sampled, and how many rounds the ledger has released before this one
-A1_MECHANISM = ("a1-noise-multiplier", "a1-sample-rate", "a1-released-rounds")
+A1_MECHANISM = (
+    f"{UserDPConfig.KEY}.{dashed('noise_multiplier')}",
+    f"{UserDPConfig.KEY}.{dashed('fraction_fit')}",
+    A1_RELEASED,
+)
 REFUSAL = "this device takes no part in federated rounds"  # all a refusal tells the server
 LEFT_A1 = "only the update, clipped and masked by SecAgg+ (the server sees nothing but the sum)"
 
@@ -160,23 +165,9 @@ class Contributor(NumPyClient):
         server_round = int(config["round"])
         if server_round in self.crash_rounds:
             raise RuntimeError(f"drill: this node fails in round {server_round}")
-        settings = LocalTrainingConfig(
-            local_steps=int(config["local-steps"]),
-            batch_size=int(config["batch-size"]),
-            lr=float(config["lr"]),
-            max_length=int(config["max-length"]),
-            max_examples=int(config["max-examples"]),
-            dp_noise_multiplier=float(config["dp-noise-multiplier"]),
-            dp_max_grad_norm=float(config["dp-max-grad-norm"]),
-            grad_sample_mode=str(config["grad-sample-mode"]),
-            seed=int(config["seed"]) + server_round,  # data order and initialisation only, never DP noise
-            public_rate=self.node.a2_pool is not None,  # the pool's size stays out of its accounting
-            # the A.2 pool always trains with DP-SGD (its record-level guarantee); a device unless
-            # the federation relies on the user-level mechanism alone (federated.local_dp=false)
-            private=self.node.a2_pool is not None or bool(config.get("local-dp", True)),
-        )
+        settings = LocalTrainingConfig.from_fit_config(config, pool=self.node.a2_pool is not None)
         if self.node.a2_pool is not None:
-            texts = pool_examples(self.node.a2_pool, int(config["a2-k"]))
+            texts = pool_examples(self.node.a2_pool, A2Config.from_fit_config(config).k)
             accountant = self.node.a2_pool.parent / POOL_ACCOUNTANT
         else:
             assert self.node.device is not None
@@ -214,7 +205,7 @@ class Contributor(NumPyClient):
         if self.node.a2_pool is not None and result.steps:  # the server operates this client: it may say how
             metrics.update(
                 {
-                    "a2-noise": settings.dp_noise_multiplier,
+                    "a2-noise": settings.dp.noise_multiplier,
                     "a2-sample-rate": result.sample_rate,
                     "a2-steps": result.steps,
                 }

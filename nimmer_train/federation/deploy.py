@@ -2,10 +2,11 @@
 config (SuperNode), publishing to ``out-dir``, metrics to MLflow when ``tracking-uri`` is set.
 
 Run config (``flwr run federated <connection> --run-config '...'``): every field of
-:class:`FederatedConfig` with dashes, plus ``base-dir``, ``adapter-dir`` (the release the
-federation improves, as the server holds it), ``work-dir`` (round checkpoints: a restarted run
-with the same work-dir resumes), ``out-dir`` (where the aggregated adapter is published),
-``a2-pool`` (the A.2 intake, for accounting) and ``tracking-uri``.
+:class:`FederatedConfig` with dashes, a group's as ``group.key`` (``user-dp.noise-multiplier``),
+plus ``base-dir``, ``adapter-dir`` (the release the federation improves, as the server holds
+it), ``work-dir`` (round checkpoints: a restarted run with the same work-dir resumes),
+``out-dir`` (where the aggregated adapter is published), ``a2-pool`` (the A.2 intake, for
+accounting) and ``tracking-uri``.
 
 A contributor's side (``nimmer contribute``): :func:`run_supernode` starts a Flower SuperNode
 against the operator's SuperLink over TLS, on a free local port, says in plain lines what it is
@@ -35,7 +36,8 @@ from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.errors import NimmerError
 
 if TYPE_CHECKING:
-    from nimmer_train.federation.rounds import Report, ServerSetup, ServerState
+    from nimmer_train.federation.checkpoint import ServerState
+    from nimmer_train.federation.rounds import Report, ServerSetup
 
 
 def _place(context: Context, key: str, required: bool = True) -> Path | None:
@@ -53,10 +55,10 @@ def settings_of(context: Context) -> FederatedConfig:
         raise NimmerError(
             "run config adapter-dir is empty: name the register adapter this federation improves"
         )
-    if not settings.population_size:
+    if not settings.user_dp.population_size:
         raise NimmerError(
-            "run config population-size is 0: set it to the number of SuperNodes this federation "
-            "draws from (every released mean is divided by fraction-fit x population-size)"
+            "run config user-dp.population-size is 0: set it to the number of SuperNodes this federation "
+            "draws from (every released mean is divided by user-dp.fraction-fit x user-dp.population-size)"
         )
     return settings
 

@@ -79,10 +79,10 @@ def canary_exposure(
     same recipe without noise) for ``rounds`` rounds each, and return every canary's exposure
     among ``references`` candidates under both. ``rng`` draws the secrets, the planting order and
     the references (default: the OS's entropy); the DP noise always comes from the OS's entropy."""
-    if settings.dp_noise_multiplier <= 0:
-        raise ValueError("canary_exposure: settings is the DP run; give it dp_noise_multiplier > 0")
+    if settings.dp.noise_multiplier <= 0:
+        raise ValueError("canary_exposure: settings is the DP run; give it dp.noise_multiplier > 0")
     rng = rng if rng is not None else entropy_rng()
-    control = control or dataclasses.replace(settings, dp_noise_multiplier=0.0)
+    control = control or without_noise(settings)
     canaries = make_canaries(per_count, rng, plantings)
     planted = plant(texts, canaries, rng)
     candidates = [candidates_for(c, references, rng) for c in canaries]  # the same for both runs
@@ -97,8 +97,8 @@ def canary_exposure(
             set_arrays(model, arrays)
             exposures[name] = canary_exposures(model, tokenizer, canaries, candidates)
     # the planted lines' count is not recorded: it would publish the pool's exact size
-    recipe = {f"dp_{k}": v for k, v in dataclasses.asdict(settings).items()}
-    recipe.update({f"control_{k}": v for k, v in dataclasses.asdict(control).items()})
+    recipe = {f"dp_{k}": v for k, v in published_recipe(settings).items()}
+    recipe.update({f"control_{k}": v for k, v in published_recipe(control).items()})
     return ExposureReport(
         plantings=tuple(c.plantings for c in canaries),
         dp=tuple(exposures["dp"]),
@@ -117,20 +117,36 @@ WORST_CASE_PLANTINGS = 4  # issue 14's bound is on canaries planted up to 4 time
 def a2_recipe(settings: FederatedConfig) -> LocalTrainingConfig:
     """The A.2 node's local-training recipe as the server's fit config hands it over
     (:meth:`nimmer_train.federation.client.Contributor.fit`, round 1): DP-SGD at the public rate."""
-    s = settings
-    return LocalTrainingConfig(
-        local_steps=s.local_steps,
-        batch_size=s.batch_size,
-        lr=s.lr,
-        max_length=s.max_length,
-        max_examples=s.max_examples,
-        dp_noise_multiplier=s.dp_noise_multiplier,
-        dp_max_grad_norm=s.dp_max_grad_norm,
-        grad_sample_mode=s.grad_sample_mode,
-        seed=s.seed + 1,
-        public_rate=True,
-        private=True,
+    return LocalTrainingConfig(settings.local, settings.local_dp, seed=settings.seed + 1, public_rate=True)
+
+
+def without_noise(settings: LocalTrainingConfig, steps: int = 0) -> LocalTrainingConfig:
+    """The audit's control: the same recipe with DP-SGD's noise off (``steps``: its local steps
+    per round instead of the recipe's, 0: the same)."""
+    return dataclasses.replace(
+        settings,
+        recipe=dataclasses.replace(settings.recipe, steps=steps or settings.recipe.steps),
+        dp=dataclasses.replace(settings.dp, noise_multiplier=0.0),
     )
+
+
+def published_recipe(settings: LocalTrainingConfig) -> dict[str, object]:
+    """A recipe as the exposure report has always published it: the flat names the local
+    training settings had before the config groups (issue 41), so reports stay comparable."""
+    recipe, dp = settings.recipe, settings.dp
+    return {
+        "local_steps": recipe.steps,
+        "batch_size": recipe.batch_size,
+        "lr": recipe.lr,
+        "max_length": recipe.max_length,
+        "max_examples": recipe.max_examples,
+        "dp_noise_multiplier": dp.noise_multiplier,
+        "dp_max_grad_norm": dp.max_grad_norm,
+        "grad_sample_mode": dp.grad_sample_mode,
+        "seed": settings.seed,
+        "public_rate": settings.public_rate,
+        "private": settings.private,
+    }
 
 
 def federation_exposure(
@@ -144,29 +160,27 @@ def federation_exposure(
     """The record-level audit of a federation, for its privacy report: canary exposure of the A.2
     node's DP-SGD (its recipe, from the start adapter, over the ``released_rounds`` rounds as if
     the node trained in every one of them: the worst case) and of the control (the same lines and
-    recipe without noise, ``exposure_control_steps`` steps per round). Both train on public
-    stand-in lines shaped like the pool's (the public held-out generator, ``max_examples`` of
+    recipe without noise, ``audit.control_steps`` steps per round). Both train on public
+    stand-in lines shaped like the pool's (the public held-out generator, ``local.max_examples`` of
     them), never on the pool: the audit's own training runs are not in the ledger, so they may
     not touch anyone's data (the figure measures the mechanism, which is what it reports). None
-    without privacy, without released rounds, or with ``exposure_canaries`` 0. ``pool`` is
+    without privacy, without released rounds, or with ``audit.canaries`` 0. ``pool`` is
     unused; it stays in the signature for the callers."""
     from nimmer_train.federation.client import example_text
     from nimmer_train.memory.synthetic import heldout_examples
 
     s = settings
-    if s.no_privacy or s.exposure_canaries < 1 or released_rounds < 1:
+    if s.no_privacy or s.audit.canaries < 1 or released_rounds < 1:
         return None
     started = time.monotonic()
     dp = a2_recipe(s)
-    control = dataclasses.replace(
-        dp, dp_noise_multiplier=0.0, local_steps=s.exposure_control_steps or dp.local_steps
-    )
+    control = without_noise(dp, s.audit.control_steps)
     report = canary_exposure(
-        base_dir, adapter_dir, [example_text(e) for e in heldout_examples(s.max_examples, seed=20_000)],
+        base_dir, adapter_dir, [example_text(e) for e in heldout_examples(s.local.max_examples, seed=20_000)],
         dp, released_rounds, s.delta,
-        s.exposure_canaries, s.exposure_references, control=control,
+        s.audit.canaries, s.audit.references, control=control,
     )  # fmt: skip
-    return exposure_record(report, released_rounds, a2_runs, control.local_steps, time.monotonic() - started)
+    return exposure_record(report, released_rounds, a2_runs, control.recipe.steps, time.monotonic() - started)
 
 
 def exposure_record(

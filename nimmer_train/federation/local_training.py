@@ -2,7 +2,7 @@
 client both run each round.
 
 The base is loaded with the register adapter on top (trainable), the round's global LoRA tensors
-are copied in, and Opacus trains the adapter for ``local_steps`` steps with Poisson sampling.
+are copied in, and Opacus trains the adapter for ``local.steps`` steps with Poisson sampling.
 The noise and the Poisson masks come from generators seeded from the OS's entropy
 (``dp_sgd.make_private``); the configured ``seed`` (the server sends it) seeds only what is not a
 DP mechanism (dropout, if the adapter has any), so the server cannot recompute an update.
@@ -22,8 +22,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nimmer_train.artifacts import write_json_atomic
+from nimmer_train.config.federated import LocalDPConfig, LocalRecipeConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.federation.wire import get_arrays, set_arrays, spec_of
 from nimmer_train.loras.adapters import load_base
@@ -49,19 +52,28 @@ from nimmer_train.privacy.dp_sgd import (
 
 @dataclass(frozen=True)
 class LocalTrainingConfig:
-    """The per-round training recipe the server sends in its fit config."""
+    """One node's training this round: the recipe and DP-SGD the server sends in its fit config
+    (the ``local`` and ``local_dp`` groups, read whole), and what the node decides itself."""
 
-    local_steps: int
-    batch_size: int
-    lr: float
-    max_length: int
-    max_examples: int
-    dp_noise_multiplier: float
-    dp_max_grad_norm: float
-    grad_sample_mode: str
-    seed: int
+    recipe: LocalRecipeConfig
+    dp: LocalDPConfig
+    seed: int  # the federation's seed + the round: data order and initialisation, never DP noise
     public_rate: bool = False  # the A.2 pool: a rate and divisor that do not depend on its size
-    private: bool = True  # local DP-SGD; False: plain local SGD (federated.local_dp=false, A.1 only)
+    private: bool = True  # local DP-SGD; False: plain local SGD (local_dp.on_devices=false, A.1 only)
+
+    @classmethod
+    def from_fit_config(cls, config: Mapping[str, Any], pool: bool) -> LocalTrainingConfig:
+        """What a node (``pool``: the server-operated A.2 client) trains with, from the fit config.
+        The pool always trains with DP-SGD (its record-level guarantee); a device unless the
+        federation relies on the user-level mechanism alone."""
+        dp = LocalDPConfig.from_fit_config(config)
+        return cls(
+            LocalRecipeConfig.from_fit_config(config),
+            dp,
+            seed=int(config["seed"]) + int(config["round"]),
+            public_rate=pool,  # the pool's size stays out of its accounting
+            private=pool or dp.on_devices,
+        )
 
 
 @dataclass(frozen=True)
@@ -119,19 +131,19 @@ def train_locally(
         )
     if not settings.private:
         trained, steps = sgd_locally(model, tokenizer, arrays, texts, settings)
-        return LocalResult(trained, min(len(texts), settings.max_examples), steps, 0.0, None)
+        return LocalResult(trained, min(len(texts), settings.recipe.max_examples), steps, 0.0, None)
     set_arrays(model, arrays)
     model.train()
-    dp = DPConfig(settings.dp_noise_multiplier, settings.dp_max_grad_norm, settings.grad_sample_mode)
+    dp = DPConfig(settings.dp.noise_multiplier, settings.dp.max_grad_norm, settings.dp.grad_sample_mode)
     if settings.public_rate:  # every example; rate and divisor from the settings only
-        q = public_sample_rate(settings.batch_size, settings.max_examples)
-        dp = dataclasses.replace(dp, sample_rate=q, expected_batch_size=settings.batch_size)
+        q = public_sample_rate(settings.recipe.batch_size, settings.recipe.max_examples)
+        dp = dataclasses.replace(dp, sample_rate=q, expected_batch_size=settings.recipe.batch_size)
     else:
-        texts = texts[: settings.max_examples]
-    data = encode(tokenizer, texts, settings.max_length)
-    batch = min(settings.batch_size, len(texts))
+        texts = texts[: settings.recipe.max_examples]
+    data = encode(tokenizer, texts, settings.recipe.max_length)
+    batch = min(settings.recipe.batch_size, len(texts))
     torch.manual_seed(settings.seed)  # not the DP noise nor the Poisson masks: see make_private
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=settings.lr)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=settings.recipe.lr)
     state = json.loads(accountant_file.read_text()) if accountant_file.exists() else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus's notes on secure RNG and optimizer wrapping
@@ -139,7 +151,7 @@ def train_locally(
     rate = 1 / len(private.loader)
     before = lora_snapshot(model)
     steps = 0
-    while steps < settings.local_steps:
+    while steps < settings.recipe.steps:
         for ids, labels in private.loader:
             if len(ids):
                 lm_loss(private.model, ids, labels, private.criterion).backward()
@@ -148,7 +160,7 @@ def train_locally(
             else:  # an empty Poisson batch: the noise-only step, accounted (the model needs rows)
                 empty_batch_step(private)
             steps += 1
-            if steps == settings.local_steps:
+            if steps == settings.recipe.steps:
                 break
     if not lora_changed(private.model, before):
         raise NimmerError("local DP-SGD left the LoRA weights unchanged (Opacus + PEFT wiring)")
@@ -167,24 +179,24 @@ def sgd_locally(
     settings: LocalTrainingConfig,
 ) -> tuple[list[np.ndarray], int]:
     """Plain local SGD from the global ``arrays`` (no record-level noise: the user-level mechanism
-    protects the whole update): ``local_steps`` steps on consecutive batches of ``batch_size`` of
+    protects the whole update): ``recipe.steps`` steps on consecutive batches of ``batch_size`` of
     the first ``max_examples`` texts, cycling; deterministic given ``settings.seed``. The Flower
     client and the sweep simulator (:mod:`nimmer_train.federation.simulator`, one loaded model
     for every contributor) both train with this. Returns (trained arrays, steps)."""
     set_arrays(model, arrays)
     model.train()
-    texts = texts[: settings.max_examples]
-    data = encode(tokenizer, texts, settings.max_length)
-    size = min(settings.batch_size, len(texts))
+    texts = texts[: settings.recipe.max_examples]
+    data = encode(tokenizer, texts, settings.recipe.max_length)
+    size = min(settings.recipe.batch_size, len(texts))
     torch.manual_seed(settings.seed)  # dropout, if the adapter has any
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=settings.lr)
-    for step in range(settings.local_steps):
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=settings.recipe.lr)
+    for step in range(settings.recipe.steps):
         rows = [(step * size + j) % len(texts) for j in range(size)]
         ids, labels = data[rows]
         lm_loss(model, ids, labels).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return get_arrays(model), settings.local_steps
+    return get_arrays(model), settings.recipe.steps
 
 
 def _saved_epsilon(accountant_file: Path, delta: float) -> float | None:

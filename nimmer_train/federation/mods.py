@@ -83,7 +83,7 @@ def clip_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Messa
     ins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     for key in (KEY_CLIPPING_NORM, QUANTUM):
         if key not in ins.config:
-            raise KeyError(f"the server sent no {key}: it must run nimmer's round loop (rounds.NoisyMean)")
+            raise KeyError(f"the server sent no {key}: it must run nimmer's round loop (strategy.NoisyMean)")
     sent = parameters_to_ndarrays(ins.parameters)
     out = call_next(msg, ctxt)
     if out.has_error():

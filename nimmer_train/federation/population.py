@@ -127,16 +127,16 @@ def heldout_seed(seed: int) -> np.random.SeedSequence:
 
 
 def build_population(folder: Path, settings: FederatedConfig, embedder: Embedder) -> Population:
-    """The population of ``settings.contributors`` virtual players (nothing is built yet)."""
+    """The population of ``settings.simulation.contributors`` virtual players (nothing is built yet)."""
     folder.mkdir(parents=True, exist_ok=True)
     return Population(
         folder,
-        settings.contributors,
-        tuple(settings.population),
+        settings.simulation.contributors,
+        tuple(settings.simulation.population),
         settings.seed,
-        settings.entries_per_player,
+        settings.simulation.entries_per_player,
         embedder,
-        settings.population_rest,
+        settings.simulation.population_rest,
     )
 
 

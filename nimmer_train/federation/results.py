@@ -23,7 +23,8 @@ from typing import Any
 
 from nimmer_train.artifacts import README, atomic_dir, write_json_atomic, write_manifest
 from nimmer_train.config.federated import FederatedConfig
-from nimmer_train.federation.rounds import ServerState, mechanism_of, planned_a2
+from nimmer_train.federation.budget import mechanism_of, planned_a2
+from nimmer_train.federation.checkpoint import ServerState
 from nimmer_train.federation.wire import A1_INDICATOR_SHARE
 from nimmer_train.loras.adapters import METADATA, read_metadata
 from nimmer_train.memory.consent import NEVER_SHARED
@@ -69,29 +70,29 @@ def caveats(eps: dict[str, float | None]) -> dict[str, str]:
 
 def mechanisms(settings: FederatedConfig, released_rounds: int) -> dict[str, str]:
     """Exactly what each published epsilon covers (the model card quotes these)."""
-    s = settings
-    std_count = 1 / A1_INDICATOR_SHARE * s.noise_multiplier
+    s, user, local = settings, settings.user_dp, settings.local_dp
+    std_count = 1 / A1_INDICATOR_SHARE * user.noise_multiplier
     return {
         "epsilon_a1_user_level": (
             "user-level (one player's whole contribution): DP-FedAvg, the Gaussian mechanism on the sum "
             "of the nodes' contributions (adapter update and A.1 indicator, clipped together to L2 norm "
-            f"C = {s.clipping_norm:g}), noise multiplier z = {s.noise_multiplier:g}, divided by the fixed "
-            f"expected cohort q N = {s.fraction_fit * s.nodes():g} (N = {s.nodes()}), nodes "
-            f"Poisson-sampled at rate q = {s.fraction_fit:g}, one step per released round "
+            f"C = {user.clipping_norm:g}), noise multiplier z = {user.noise_multiplier:g}, divided by the "
+            f"fixed expected cohort q N = {user.fraction_fit * s.nodes():g} (N = {s.nodes()}), nodes "
+            f"Poisson-sampled at rate q = {user.fraction_fit:g}, one step per released round "
             f"({released_rounds}); it also "
             f"covers the noised A.1 contribution count of each round (std {std_count:.3g}). "
             "Opacus RDP accountant"
         ),
         "epsilon_a2_record_level": (
             "record-level (one pooled example): the A.2 node's DP-SGD on the anonymised pool (noise "
-            f"multiplier {s.dp_noise_multiplier:g}, per-example clip {s.dp_max_grad_norm:g}, Poisson "
+            f"multiplier {local.noise_multiplier:g}, per-example clip {local.max_grad_norm:g}, Poisson "
             f"batches over every pooled example at the public rate {planned_a2(s)[1]:.4g}, "
-            f"{s.local_steps} steps per round, every A.2 run of every released round) and the "
-            f"noised pool counts (Gaussian, noise multiplier {s.count_noise_multiplier:g}, sensitivity "
+            f"{s.local.steps} steps per round, every A.2 run of every released round) and the "
+            f"noised pool counts (Gaussian, noise multiplier {s.a2.count_noise_multiplier:g}, sensitivity "
             "sqrt(2)). Opacus RDP accountant"
         ),
         "local_dp_a1_devices": (
-            f"each A.1 device's own record-level DP-SGD (noise multiplier {s.dp_noise_multiplier:g}) "
+            f"each A.1 device's own record-level DP-SGD (noise multiplier {local.noise_multiplier:g}) "
             "is accounted on the device only and not published"
         ),
     }
@@ -121,7 +122,7 @@ def contributed_data(settings: FederatedConfig, state: ServerState) -> dict[str,
                 "mechanism": "on-device anonymisation, k-threshold intake, central DP-SGD",
                 "guarantee": "none" if settings.no_privacy else "record-level",
                 "uploads_noised": _noised_count(pool["uploads"]) if pool["released"] else None,
-                "k": settings.a2_k,
+                "k": settings.a2.k,
                 "data_categories_noised": (
                     {c: _noised_count(v) for c, v in pool["categories"].items()} if pool["released"] else None
                 ),
@@ -132,9 +133,10 @@ def contributed_data(settings: FederatedConfig, state: ServerState) -> dict[str,
         },
         "noised_figures": (
             "A.1 contributions per round and contributors (the A.1 mechanism's noisy indicator sum / s, std "
-            f"{1 / A1_INDICATOR_SHARE * settings.noise_multiplier:.3g}; contributors: the largest per-round "
-            "figure, rounded, at least 0); A.2 uploads and examples per category (Gaussian, std "
-            f"{pool.get('noise_std') or settings.count_noise_multiplier * 2**0.5:.3g}, in the A.2 ledger). "
+            f"{1 / A1_INDICATOR_SHARE * settings.user_dp.noise_multiplier:.3g}; contributors: the largest "
+            "per-round figure, rounded, at least 0); A.2 uploads and examples per category (Gaussian, std "
+            f"{pool.get('noise_std') or settings.a2.count_noise_multiplier * 2**0.5:.3g}, in the A.2 "
+            "ledger). "
             + (
                 "No privacy guarantee (federated.no_privacy): a noise std of 0 leaves a figure exact."
                 if settings.no_privacy
@@ -154,14 +156,14 @@ def contributed_data(settings: FederatedConfig, state: ServerState) -> dict[str,
         "rounds_completed": len(accepted),
         "rounds_run": len(state.records),
         "stopped": state.stopped,
-        "noise_multiplier": settings.noise_multiplier,
-        "clipping_norm": settings.clipping_norm,
-        "sampling_rate": settings.fraction_fit,
+        "noise_multiplier": settings.user_dp.noise_multiplier,
+        "clipping_norm": settings.user_dp.clipping_norm,
+        "sampling_rate": settings.user_dp.fraction_fit,
         "min_participants": settings.min_participants,
         "local_dp": {
-            "noise_multiplier": settings.dp_noise_multiplier,
-            "max_grad_norm": settings.dp_max_grad_norm,
-            "steps_per_round": settings.local_steps,
+            "noise_multiplier": settings.local_dp.noise_multiplier,
+            "max_grad_norm": settings.local_dp.max_grad_norm,
+            "steps_per_round": settings.local.steps,
         },
     }
 
@@ -282,7 +284,7 @@ def publish_federated(
         "mechanisms": data["mechanisms"],
         "caveats": data["caveats"],  # epsilons above MEANINGFUL_EPSILON: what to say beside them
         # contributors_a1, uploads_a2: noised estimates, never exact (unless no_privacy set a noise to 0)
-        "counts_noised": settings.noise_multiplier > 0 and settings.count_noise_multiplier > 0,
+        "counts_noised": settings.user_dp.noise_multiplier > 0 and settings.a2.count_noise_multiplier > 0,
         "contributors_a1": a1["contributors_noised"],
         "uploads_a2": a2["uploads_noised"] or 0,
         # the A.1 guarantee's full statement: N, q, expected cohort, z, C, T (released), delta,

@@ -11,7 +11,7 @@ fixed denominator q N). The generator is drawn from in the same order as the Flo
 then noise), so on the same seeds with SecAgg+ off both select the same cohorts and release the
 same aggregate (a test holds them to 1e-5): the simulator's figures are figures of the pipeline.
 
-Scope: A.1 contributors with plain local SGD (``federated.local_dp=false``; local DP-SGD draws
+Scope: A.1 contributors with plain local SGD (``federated.local_dp.on_devices=false``; local DP-SGD draws
 its noise from the OS's entropy and could not be compared) and no A.2 uploads (the A.2 node then
 contributes nothing, as in the Flower path with an empty pool).
 
@@ -30,16 +30,15 @@ from typing import Any
 
 import numpy as np
 
-from nimmer_train.artifacts import write_json_atomic
 from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.errors import ConfigError
+from nimmer_train.federation.budget import mechanism_of
+from nimmer_train.federation.checkpoint import ledger_of, load_arrays, save_round, write_ahead
 from nimmer_train.federation.client import device_examples
 from nimmer_train.federation.local_training import LocalTrainingConfig, sgd_locally
 from nimmer_train.federation.mods import contribution
 from nimmer_train.federation.population import Population, heldout_seed
-from nimmer_train.federation.rounds import mechanism_of
 from nimmer_train.federation.wire import get_arrays, indicator_value, set_arrays
-from nimmer_train.privacy.accounting import Ledger
 from nimmer_train.privacy.dp_fedavg import entropy_rng, poisson_cohort, release_arrays
 
 STATE = "simulation.json"
@@ -87,7 +86,7 @@ class Simulator:
             model,
             tokenizer,
             population,
-            encode_rows(tokenizer, texts, settings.max_length),
+            encode_rows(tokenizer, texts, settings.local.max_length),
             tokenizer.pad_token_id,
             get_arrays(model),
         )
@@ -101,12 +100,12 @@ class Simulator:
         texts = [] if i == self.population.size else device_examples(self.population.device(i))[0]
         if not texts:
             zeros = [np.zeros(a.shape, np.float64) for a in arrays]
-            return contribution(zeros, False, settings.clipping_norm, 0.0)
+            return contribution(zeros, False, settings.user_dp.clipping_norm, 0.0)
         trained, _ = sgd_locally(
             self.model, self.tokenizer, arrays, texts, local_settings(settings, server_round)
         )
         update = [np.subtract(a, b, dtype=np.float64) for a, b in zip(trained, arrays, strict=True)]
-        return contribution(update, True, settings.clipping_norm, 0.0)
+        return contribution(update, True, settings.user_dp.clipping_norm, 0.0)
 
     def evaluate(self, arrays: list[np.ndarray]) -> float:
         from nimmer_train.loras.train import heldout_loss
@@ -133,12 +132,9 @@ class Simulator:
         mechanism.require(settings.epsilon_budget)  # before round 1: the whole run fits the budget
         work.mkdir(parents=True, exist_ok=True)
         state = _load(work)
-        ledger = (
-            Ledger.from_dict(state.ledger, settings.delta, settings.epsilon_budget, str(work / STATE))
-            if state.ledger
-            else Ledger(settings.delta, settings.epsilon_budget)
-        )
-        arrays = _arrays(work, state.round) or [a.copy() for a in self.start]
+        ledger = ledger_of(state.ledger, settings, where=str(work / STATE))
+        saved = load_arrays(work, state.round) if state.round else None
+        arrays = saved or [a.copy() for a in self.start]
         if state.pending is not None and state.pending > state.round:  # accounted, never adopted
             state.records.append(
                 {"round": state.pending, "accepted": False, "reason": "killed before adoption"}
@@ -147,7 +143,7 @@ class Simulator:
             _save(work, state, arrays)
         if state.initial_loss is None:
             state.initial_loss = self.evaluate(arrays)
-        s = indicator_value(settings.clipping_norm)
+        s = indicator_value(settings.user_dp.clipping_norm)
         for server_round in range(state.round + 1, settings.rounds + 1):
             started = time.monotonic()
             draw = rng if rng is not None else entropy_rng()
@@ -170,8 +166,7 @@ class Simulator:
             else:
                 *update, a1_mean = release_arrays(total, mechanism, draw)
                 epsilons = ledger.record(mechanism.step())
-                state.pending, state.ledger = server_round, asdict(ledger)
-                write_json_atomic(work / STATE, asdict(state))  # write-ahead: spend before adoption
+                write_ahead(work, STATE, state, server_round, ledger)  # the spend before adoption
                 arrays = [g + u.astype(np.float32) for g, u in zip(arrays, update, strict=True)]
                 record.update(
                     accepted=True,
@@ -198,35 +193,28 @@ class Simulator:
 
 
 def local_settings(settings: FederatedConfig, server_round: int) -> LocalTrainingConfig:
-    """The recipe a client builds from the fit config (``client.Contributor.fit``)."""
+    """The recipe a client builds from the fit config (``client.Contributor.fit``), plain SGD."""
     return LocalTrainingConfig(
-        local_steps=settings.local_steps,
-        batch_size=settings.batch_size,
-        lr=settings.lr,
-        max_length=settings.max_length,
-        max_examples=settings.max_examples,
-        dp_noise_multiplier=settings.dp_noise_multiplier,
-        dp_max_grad_norm=settings.dp_max_grad_norm,
-        grad_sample_mode=settings.grad_sample_mode,
-        seed=settings.seed + server_round,
-        private=False,
+        settings.local, settings.local_dp, seed=settings.seed + server_round, private=False
     )
 
 
 def check_simulable(settings: FederatedConfig, population: Population) -> None:
     """ConfigError unless the simulator runs exactly what the Flower path would."""
-    if settings.local_dp:
+    if settings.local_dp.on_devices:
         raise ConfigError(
-            "federated.local_dp",
-            "the simulator runs plain local SGD (user-level DP alone): set federated.local_dp=false",
+            "federated.local_dp.on_devices",
+            "the simulator runs plain local SGD (user-level DP alone): "
+            "set federated.local_dp.on_devices=false",
         )
     if "A2_anonymized" in population.tiers_present():
         raise ConfigError(
-            "federated.population", "the simulator covers A.1 populations: drop A2_anonymized from the tiers"
+            "federated.simulation.population",
+            "the simulator covers A.1 populations: drop A2_anonymized from the tiers",
         )
     if settings.nodes() != population.size + 1:
         raise ConfigError(
-            "federated.population_size",
+            "federated.user_dp.population_size",
             f"{settings.nodes()} is not the simulated nodes ({population.size} contributors + the A.2 node): "
             "leave it 0 for a simulation",
         )
@@ -237,21 +225,5 @@ def _load(work: Path) -> SimulationState:
     return SimulationState(**json.loads(path.read_text())) if path.exists() else SimulationState()
 
 
-def _arrays(work: Path, done: int) -> list[np.ndarray] | None:
-    path = work / f"global-r{done:04d}.npz"
-    if not done or not path.exists():
-        return None
-    with np.load(path) as data:
-        return [data[f"arr_{i}"] for i in range(len(data.files))]
-
-
 def _save(work: Path, state: SimulationState, arrays: list[np.ndarray]) -> None:
-    """The round's arrays, then the state that names them; older arrays go."""
-    target = work / f"global-r{state.round:04d}.npz"
-    tmp = target.with_suffix(".tmp.npz")
-    np.savez(tmp, *arrays)
-    tmp.replace(target)
-    write_json_atomic(work / STATE, asdict(state))
-    for old in work.glob("global-r*.npz"):
-        if old != target:
-            old.unlink()
+    save_round(work, STATE, state, state.round, arrays)

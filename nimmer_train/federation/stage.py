@@ -22,15 +22,36 @@ from typing import Any
 import mlflow
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import MANIFEST, fingerprint, intact_manifest, read_manifest, source_fingerprint
+from nimmer_train.artifacts import (
+    MANIFEST,
+    base_path,
+    federated_path,
+    fingerprint,
+    intact_manifest,
+    loras_path,
+    read_manifest,
+    source_fingerprint,
+)
 from nimmer_train.config import Config
 from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.errors import NimmerError
-from nimmer_train.federation import client, exposure_audit, local_training, mods, results, rounds, wire
+from nimmer_train.federation import (
+    budget,
+    checkpoint,
+    client,
+    exposure_audit,
+    local_training,
+    mods,
+    results,
+    rounds,
+    strategy,
+    wire,
+)
 from nimmer_train.federation.app import client_app, server_app
+from nimmer_train.federation.checkpoint import ServerState, ledger_of
 from nimmer_train.federation.client import Node
 from nimmer_train.federation.population import build_population, deliver_uploads
-from nimmer_train.federation.rounds import ServerSetup, ServerState
+from nimmer_train.federation.rounds import ServerSetup
 from nimmer_train.loras.adapters import read_metadata
 from nimmer_train.loras.stage import LoraResult
 from nimmer_train.privacy.accounting import Ledger
@@ -66,7 +87,7 @@ def locate(cfg: Config, loras: LoraResult | None) -> tuple[Path, Path, str]:
     base = (
         Path(cfg.lora.base_dir)
         if cfg.lora.base_dir
-        else cfg.paths.artifacts_dir() / "base" / meta["base"]["label"]
+        else base_path(cfg.paths.artifacts_dir(), meta["base"]["label"])
     )
     if not (base / MANIFEST).exists():
         raise NimmerError(f"adapter {adapter} names base {meta['base']['label']}, which is not at {base}")
@@ -74,7 +95,7 @@ def locate(cfg: Config, loras: LoraResult | None) -> tuple[Path, Path, str]:
 
 
 def _find_adapter(cfg: Config) -> Path:
-    root = cfg.paths.artifacts_dir() / "loras"
+    root = loras_path(cfg.paths.artifacts_dir())
     register = cfg.federated.register or (cfg.lora.registers or cfg.registers.names)[0]
     found = sorted(
         (p for p in root.glob(f"*/{register}-*") if intact_manifest(p)), key=lambda p: p.stat().st_mtime
@@ -98,7 +119,7 @@ class FederationPlan:
 
     @property
     def state_file(self) -> Path:
-        return self.folder / "server" / "rounds" / rounds.STATE_FILE
+        return self.folder / "server" / "rounds" / checkpoint.STATE_FILE
 
 
 def plan_federation(cfg: Config, loras: LoraResult | None = None) -> FederationPlan:
@@ -111,13 +132,23 @@ def plan_federation(cfg: Config, loras: LoraResult | None = None) -> FederationP
         {
             "version": FED_VERSION,
             "code": source_fingerprint(
-                client, exposure_audit, local_training, mods, results, rounds, wire, sys.modules[__name__]
+                budget,
+                checkpoint,
+                client,
+                exposure_audit,
+                local_training,
+                mods,
+                results,
+                rounds,
+                strategy,
+                wire,
+                sys.modules[__name__],
             ),
             "adapter": read_manifest(adapter_dir)["fingerprint"],
             "settings": settings,
         }
     )
-    out = cfg.paths.artifacts_dir() / "federated" / base_dir.name / f"{register}-{fp[:12]}"
+    out = federated_path(cfg.paths.artifacts_dir(), base_dir.name, register, fp)
     folder = Path(cfg.paths.workdir).resolve() / "federation" / fp[:12]
     return FederationPlan(base_dir, adapter_dir, register, fp, out, folder)
 
@@ -130,7 +161,7 @@ def federate_stage(
         print(f"federated adapter: {p.out} (up to date)")
         meta = read_metadata(p.out)
         return FederationResult(p.out, meta, _records(p.out), p.folder)
-    rounds.require_budget(cfg.federated, _ledger_of(p, cfg.federated), _state_of(p), True)  # before any work
+    budget.require_budget(cfg.federated, _ledger_of(p, cfg.federated), _state_of(p), True)  # before any work
     run_file = p.folder / "server" / "mlflow_run_id"
     resume = run_file.read_text().strip() if run_file.exists() else None
     with tracking.stage_run(cfg, pipeline, "federate", resume_run_id=resume) as run_id:
@@ -158,8 +189,7 @@ def _state_of(p: FederationPlan) -> ServerState:
 
 
 def _ledger_of(p: FederationPlan, s: FederatedConfig) -> Ledger:
-    state = _state_of(p)
-    return Ledger.from_dict(state.ledger, s.delta, None) if state.ledger else Ledger(s.delta)
+    return ledger_of(_state_of(p).ledger, s, budget=False)
 
 
 def run_federation(
@@ -169,7 +199,7 @@ def run_federation(
     embedder: Any = None,
     serve_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The federation of plan ``p`` on Flower's simulation engine: ``s.contributors`` virtual
+    """The federation of plan ``p`` on Flower's simulation engine: ``s.simulation.contributors`` virtual
     players (each built when first sampled) and the server-operated A.2 node, one SuperNode each;
     returns the published adapter's metadata. ``serve_options`` go to :func:`rounds.serve`
     (tests: a seeded ``rng``); the nodes are sampled in the simulation's partition order."""
@@ -178,7 +208,7 @@ def run_federation(
     pool = p.folder / "server" / "a2_pool.sqlite"
     pool.parent.mkdir(parents=True, exist_ok=True)
     population = build_population(p.folder / "devices", s, embedder or SentenceEmbedder())
-    deliver_uploads(population, pool, s.a2_k)
+    deliver_uploads(population, pool, s.a2.k)
     a2_node = Node(p.base_dir, p.adapter_dir, a2_pool=pool)  # the server-operated A.2 client, last
 
     def node_at(partition: int) -> Node:
@@ -203,10 +233,8 @@ def run_federation(
 
     options = {"order": partition_order(partitions), **(serve_options or {})}
     sapp = server_app(lambda _: s, setup_of, done, lambda _: report, lambda _: options)
-    capp = client_app(
-        lambda ctx: node_at(int(ctx.node_config["partition-id"])), s.secure_aggregation, _drills(s)
-    )
-    simulate(sapp, capp, population.size + 1, partitions, s.simulation_cpus)
+    capp = client_app(lambda ctx: node_at(int(ctx.node_config["partition-id"])), s.secagg.enabled, _drills(s))
+    simulate(sapp, capp, population.size + 1, partitions, s.simulation.cpus)
     if not published:
         raise NimmerError("the federation ended without publishing; see the log above")
     return published
@@ -218,7 +246,7 @@ def record_level_audit(
     """The privacy report's record-level side, beside the user-level audit: canary exposure of
     the A.2 node's DP-SGD recipe on public stand-in lines over the released rounds, and of a non-DP control
     (:func:`exposure_audit.federation_exposure`)."""
-    ledger = Ledger.from_dict(state.ledger, s.delta, None) if state.ledger else Ledger(s.delta)
+    ledger = ledger_of(state.ledger, s, budget=False)
     released = sum(1 for r in state.records if r.get("accepted"))
     a2_runs = len(ledger.a2) - len(ledger.releases)  # the pool counts' release is no A.2 run
     report = exposure_audit.federation_exposure(p.base_dir, p.adapter_dir, pool, s, released, a2_runs)
@@ -298,9 +326,9 @@ def _records(out: Path) -> list[dict[str, Any]]:
 
 
 def _drills(s: Any) -> Any:
-    if not s.faults:
+    if not s.simulation.faults:
         return None
-    by_partition = s.drills()
+    by_partition = s.simulation.drills()
 
     def drills(ctx: Any) -> dict[int, str]:
         return by_partition.get(int(ctx.node_config["partition-id"]), {})

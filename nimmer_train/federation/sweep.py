@@ -62,19 +62,21 @@ def cell_settings(base: FederatedConfig, sweep: PrivacySweepConfig, cell: Cell) 
     z = noise_multiplier_for(cell.epsilon, rate, sweep.rounds, sweep.delta) if private else 0.0
     return dataclasses.replace(
         base,
-        contributors=cell.population - 1,  # + the A.2 node: N nodes
-        population=["A1_federated"],
-        population_size=0,
-        fraction_fit=rate,
-        noise_multiplier=z,
         rounds=sweep.rounds,
         delta=sweep.delta,
         epsilon_budget=None,
         no_privacy=not private,
-        local_dp=False,
-        secure_aggregation=False,  # the simulator sums in the clear: SecAgg+ sums the same values
         min_participants=1,
-        faults=[],
+        user_dp=dataclasses.replace(base.user_dp, population_size=0, fraction_fit=rate, noise_multiplier=z),
+        local_dp=dataclasses.replace(base.local_dp, on_devices=False),
+        # the simulator sums in the clear: SecAgg+ sums the same values
+        secagg=dataclasses.replace(base.secagg, enabled=False),
+        simulation=dataclasses.replace(
+            base.simulation,
+            contributors=cell.population - 1,  # + the A.2 node: N nodes
+            population=["A1_federated"],
+            faults=[],
+        ),
     )
 
 
@@ -104,10 +106,11 @@ def run_cell(
         "epsilon": None if math.isinf(cell.epsilon) else cell.epsilon,
         "population": cell.population,
         "seed": seed,
-        "sample_rate": settings.fraction_fit,
-        "expected_cohort": settings.fraction_fit * settings.nodes(),
-        "noise_multiplier": settings.noise_multiplier,
-        "noise_std_over_clip": settings.noise_multiplier / (settings.fraction_fit * settings.nodes()),
+        "sample_rate": settings.user_dp.fraction_fit,
+        "expected_cohort": settings.user_dp.fraction_fit * settings.nodes(),
+        "noise_multiplier": settings.user_dp.noise_multiplier,
+        "noise_std_over_clip": settings.user_dp.noise_multiplier
+        / (settings.user_dp.fraction_fit * settings.nodes()),
         "rounds": settings.rounds,
         "released": len(released),
         "delta": settings.delta,

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the client's SecAgg+ stages import this module; only traini
 # unmasked sum (its threshold) and releases only noised, with noise std z C / s = 2 z.
 A1_INDICATOR_SHARE = 0.5
 A1_UPDATE = "a1-update"  # the client's private note to its own mods; stripped before the reply
+A1_RELEASED = "a1-released-rounds"  # fit-config key: the rounds the ledger released before this one
 A2_METRICS = ("a2-noise", "a2-sample-rate", "a2-steps")  # the server-operated A.2 node's step
 QUANTUM = "secagg-quantum"  # fit-config key: SecAgg+'s quantisation step (0 without SecAgg+)
 

@@ -230,7 +230,7 @@ def _exposure_lines(exp: dict[str, Any] | None) -> list[str]:
             f"  - the non-DP control stays near chance ({exp['control_mean_exposure']:.2f} bits over all "
             "canaries): at this step count the canaries lack power, and the DP figure shows no "
             "memorisation a non-private run would have shown either (raise "
-            "federated.exposure_control_steps for a stronger control)"
+            "federated.audit.control_steps for a stronger control)"
         )
     return lines
 

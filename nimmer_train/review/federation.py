@@ -52,7 +52,16 @@ def budget(run: Run) -> dict[str, float | None]:
     return {
         "epsilon_budget": number("federated.epsilon_budget"),
         "delta": number("federated.delta"),
-        "noise_multiplier": number("federated.noise_multiplier"),
+        # the A.1 z: federated.user_dp.noise_multiplier (federated.noise_multiplier in runs before
+        # issue 41 grouped the settings)
+        "noise_multiplier": next(
+            (
+                number(k)
+                for k in ("federated.user_dp.noise_multiplier", "federated.noise_multiplier")
+                if k in run.data.params
+            ),
+            None,
+        ),
     }
 
 

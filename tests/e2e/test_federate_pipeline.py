@@ -30,14 +30,14 @@ def test_faulty_killed_federation_resumes_within_its_budget(tiny_run: Path, tmp_
     overrides = [
         "experiment=ci_tiny",
         "federated.seed=1",
-        "federated.noise_multiplier=0.5",
+        "federated.user_dp.noise_multiplier=0.5",
         "federated.epsilon_budget=19.0",  # A.1 at z=0.5, q=1: 16.5 after two rounds, 21.4 after three
-        "federated.local_steps=2",
-        "federated.contributors=4",  # + the A.2 node: five sampled
-        "federated.population=[A1_federated]",  # refusing devices would leave SecAgg+ too few
-        "federated.secagg_threshold=0.3",  # two survivors of five can unmask (Flower: a fraction)
+        "federated.local.steps=2",
+        "federated.simulation.contributors=4",  # + the A.2 node: five sampled
+        "federated.simulation.population=[A1_federated]",  # refusing devices would leave SecAgg+ too few
+        "federated.secagg.threshold=0.3",  # two survivors of five can unmask (Flower: a fraction)
         "federated.min_participants=1",  # one real A.1 update reaches each round's sum (see below)
-        "federated.faults=[crash@1.1,wrong_shape@4.1,nan@3.2]",
+        "federated.simulation.faults=[crash@1.1,wrong_shape@4.1,nan@3.2]",
     ]
     workdir = tmp_path / "w"
     base = _only(tiny_run / "artifacts/base")

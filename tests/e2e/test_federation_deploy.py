@@ -89,7 +89,7 @@ def journey(work: Path) -> dict[str, Any]:
     run_config = (
         f'base-dir="{base}" adapter-dir="{adapter}" a2-pool="{pool}" '
         f'tracking-uri="sqlite:///{work / "mlflow.db"}" '
-        "local-steps=2 noise-multiplier=0.01 a2-k=1 population-size=3 "
+        "local.steps=2 user-dp.noise-multiplier=0.01 a2.k=1 user-dp.population-size=3 "
     )
     result: dict[str, Any] = {"planted": planted, "a1": a1, "a2": a2, "pool": pool}
     with deployment(work / "flower", work / "certs") as flower:
@@ -145,7 +145,7 @@ def journey(work: Path) -> dict[str, Any]:
         flower.wait_nodes(2, exactly=True)
         flower.run(
             REPO / "federated",
-            run_config.replace("population-size=3", "population-size=2")
+            run_config.replace("user-dp.population-size=3", "user-dp.population-size=2")
             + f'work-dir="{work / "server/rounds2"}" out-dir="{work / "out2"}" rounds=1 min-participants=1',
         )
         result["logs"] = {name: flower.log(name) for name in contributors}

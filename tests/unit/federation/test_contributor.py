@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from nimmer_train.config.federated import FederatedConfig
+from nimmer_train.config.federated import FederatedConfig, LocalRecipeConfig, UserDPConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.federation.client import DEVICE_ACCOUNTANT, Contributor, Node, federation_epsilon
 from nimmer_train.federation.local_training import load_trainable
-from nimmer_train.federation.rounds import NoisyMean, fit_config
+from nimmer_train.federation.strategy import NoisyMean, fit_config
 from nimmer_train.federation.wire import get_arrays, spec_of
 from nimmer_train.memory.consent import revoke
 from nimmer_train.memory.contributions import entries
@@ -27,7 +27,11 @@ from nimmer_train.publish.versions import open_version
 from tests.helpers.memory import HashEmbedder
 from tests.helpers.published import publish_registers
 
-SETTINGS = FederatedConfig(local_steps=2, batch_size=4, noise_multiplier=0.8, fraction_fit=0.5, rounds=2)
+SETTINGS = FederatedConfig(
+    rounds=2,
+    user_dp=UserDPConfig(noise_multiplier=0.8, fraction_fit=0.5),
+    local=LocalRecipeConfig(steps=2, batch_size=4),
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,9 @@ def test_device_logs_each_round_with_the_ledgers_epsilon(release: tuple[Path, Pa
         config = strategy.strategy.on_fit_config_fn(server_round)  # what the server sends
         trained, examples, _ = client.fit(arrays, config)
         assert examples > 0 and any((a != b).any() for a, b in zip(trained, arrays, strict=True))
-        ledger.record((SETTINGS.noise_multiplier, SETTINGS.fraction_fit, 1))  # the server releases it
+        ledger.record(
+            (SETTINGS.user_dp.noise_multiplier, SETTINGS.user_dp.fraction_fit, 1)
+        )  # the server releases it
         released[0] = len(ledger.a1)
     rounds = [e for e in entries(device) if e["kind"] == "round"]
     assert [e["round"] for e in rounds] == [1, 2]

@@ -53,7 +53,7 @@ def test_a_reader_holding_the_old_key_file_open_never_sees_the_new_key(tmp_path:
         assert held.read() == b"an old key\n"  # the new key went to a fresh inode
     for key in (made.server_key, made.ca_key):
         assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
-    assert not list(tmp_path.glob(".*.tmp"))
+    assert not list(tmp_path.glob(".*.tmp-*"))  # write_secret's temp names
 
 
 def test_a_link_planted_at_the_key_path_receives_nothing(tmp_path: Path) -> None:
@@ -106,9 +106,9 @@ def _device(folder: Path, tier: str, player_name: str = "Marta") -> Path:
 
 
 ROUND_CONFIG = {
-    "round": 3, "local-steps": 1, "batch-size": 2, "lr": 1e-3, "max-length": 32, "max-examples": 8,
-    "dp-noise-multiplier": 1.0, "dp-max-grad-norm": 1.0, "grad-sample-mode": "hooks", "seed": 0,
-    "delta": 1e-5,
+    "round": 3, "local.steps": 1, "local.batch-size": 2, "local.lr": 1e-3, "local.max-length": 32,
+    "local.max-examples": 8, "local-dp.noise-multiplier": 1.0, "local-dp.max-grad-norm": 1.0,
+    "local-dp.grad-sample-mode": "hooks", "seed": 0, "delta": 1e-5,
 }  # fmt: skip
 
 
@@ -247,9 +247,9 @@ def test_consent_revoked_while_the_device_trains_keeps_the_update_on_it(tmp_path
     hook on the real train_locally: nothing of ours is replaced)."""
     import sys
 
-    from nimmer_train.config.federated import FederatedConfig
+    from nimmer_train.config.federated import FederatedConfig, LocalRecipeConfig, UserDPConfig
     from nimmer_train.federation.local_training import load_trainable
-    from nimmer_train.federation.rounds import NoisyMean, fit_config
+    from nimmer_train.federation.strategy import NoisyMean, fit_config
     from nimmer_train.federation.wire import get_arrays, spec_of
     from nimmer_train.publish.signing import Keyring
     from nimmer_train.publish.versions import open_version
@@ -267,7 +267,10 @@ def test_consent_revoked_while_the_device_trains_keeps_the_update_on_it(tmp_path
         )
     finally:
         memory.close()
-    settings = FederatedConfig(local_steps=1, batch_size=4, noise_multiplier=0.8, fraction_fit=0.5)
+    settings = FederatedConfig(
+        user_dp=UserDPConfig(noise_multiplier=0.8, fraction_fit=0.5),
+        local=LocalRecipeConfig(steps=1, batch_size=4),
+    )
     model = load_trainable(*release)[0]
     spec = spec_of(model)
     config = NoisyMean(settings, spec, fit_config(settings, spec)).strategy.on_fit_config_fn(1)

@@ -13,30 +13,29 @@ import numpy as np
 import pytest
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
-from nimmer_train.config.federated import FederatedConfig
-from nimmer_train.federation import rounds
+from nimmer_train.config.federated import FederatedConfig, SecAggConfig, SimulationConfig, UserDPConfig
+from nimmer_train.federation import budget, checkpoint, rounds
 from nimmer_train.federation.mods import contribution
+from nimmer_train.federation.strategy import NoisyMean, RoundOutcome, fit_config
 from nimmer_train.federation.wire import AdapterSpec
 from nimmer_train.privacy.accounting import BudgetExceeded, Ledger
 from nimmer_train.privacy.dp_fedavg import release_arrays
 
 SPEC = AdapterSpec(("a", "b"), ((6, 4), (9,)))
 SETTINGS = FederatedConfig(
-    contributors=199,
-    fraction_fit=0.05,
-    noise_multiplier=1.1,
-    clipping_norm=2.0,
     min_participants=3,
-    secure_aggregation=False,
     delta=1e-6,
     rounds=4,
+    secagg=SecAggConfig(enabled=False),
+    user_dp=UserDPConfig(fraction_fit=0.05, noise_multiplier=1.1, clipping_norm=2.0),
+    simulation=SimulationConfig(contributors=199),
 )  # N = 200 nodes, q N = 10
 
 
 def _replies(count: int) -> tuple[list[tuple], list[list[np.ndarray]]]:
     rng = np.random.default_rng(0)
     contributions = [
-        contribution([rng.normal(size=s) for s in SPEC.shapes], True, SETTINGS.clipping_norm, 0.0)
+        contribution([rng.normal(size=s) for s in SPEC.shapes], True, SETTINGS.user_dp.clipping_norm, 0.0)
         for _ in range(count)
     ]
     replies = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(c), 1, {})) for c in contributions]
@@ -48,19 +47,19 @@ def test_a_dropout_storm_releases_with_noise_calibrated_to_q_n() -> None:
     q N = 10, not / 5: the sensitivity stays C / (q N), so the round costs what the ledger says."""
     replies, contributions = _replies(5)
     seeded = np.random.default_rng(11)
-    strategy = rounds.NoisyMean(SETTINGS, SPEC, rounds.fit_config(SETTINGS, SPEC), rng=lambda: seeded)
-    strategy.outcome = rounds.RoundOutcome(sampled=10)
+    strategy = NoisyMean(SETTINGS, SPEC, fit_config(SETTINGS, SPEC), rng=lambda: seeded)
+    strategy.outcome = RoundOutcome(sampled=10)
     strategy.aggregate_fit(1, replies, [])
     assert strategy.outcome.accepted and strategy.outcome.participants == 5
     total = [np.sum([np.asarray(c[i], np.float64) for c in contributions], axis=0) for i in range(3)]
-    *expected, indicator = release_arrays(total, rounds.mechanism_of(SETTINGS), np.random.default_rng(11))
+    *expected, indicator = release_arrays(total, budget.mechanism_of(SETTINGS), np.random.default_rng(11))
     for got, want in zip(strategy.outcome.update, expected, strict=True):
         assert np.allclose(got, want.astype(np.float32), atol=1e-7)
     assert strategy.outcome.a1_noised == pytest.approx(float(indicator[0]) * 10 / 1.0)
-    assert rounds.mechanism_of(SETTINGS).noise_std == pytest.approx(1.1 * 2.0 / 10)
+    assert budget.mechanism_of(SETTINGS).noise_std == pytest.approx(1.1 * 2.0 / 10)
 
 
-def _loop(ledger: Ledger, outcome: rounds.RoundOutcome, work: Path) -> rounds._RoundLoop:
+def _loop(ledger: Ledger, outcome: RoundOutcome, work: Path) -> rounds._RoundLoop:
     return rounds._RoundLoop(
         grid=None,
         settings=SETTINGS,
@@ -76,13 +75,13 @@ def _loop(ledger: Ledger, outcome: rounds.RoundOutcome, work: Path) -> rounds._R
 
 def test_a_round_below_the_threshold_releases_nothing_and_spends_nothing(tmp_path: Path) -> None:
     replies, _ = _replies(2)  # two real A.1 updates < min_participants = 3
-    strategy = rounds.NoisyMean(SETTINGS, SPEC, rounds.fit_config(SETTINGS, SPEC))
+    strategy = NoisyMean(SETTINGS, SPEC, fit_config(SETTINGS, SPEC))
     strategy.aggregate_fit(1, replies, [])
     assert not strategy.outcome.accepted and strategy.outcome.update is None
     ledger = Ledger(SETTINGS.delta)
     before = [np.zeros(s, np.float32) for s in SPEC.shapes]
     arrays, record, stopping = rounds._run_round(
-        _loop(ledger, strategy.outcome, tmp_path), 1, (1.1, 0.05, 1), before, [], rounds.ServerState()
+        _loop(ledger, strategy.outcome, tmp_path), 1, (1.1, 0.05, 1), before, [], checkpoint.ServerState()
     )
     assert arrays is before and ledger.a1 == [] and not record["accepted"] and stopping is None
     assert record["population"] == 200 and record["expected_cohort"] == pytest.approx(10)
@@ -91,12 +90,12 @@ def test_a_round_below_the_threshold_releases_nothing_and_spends_nothing(tmp_pat
 
 def test_a_configuration_over_its_budget_fails_before_round_1_naming_epsilon() -> None:
     settings = FederatedConfig(**{**vars(SETTINGS), "epsilon_budget": 1.0})
-    spent = rounds.mechanism_of(settings).epsilon()
+    spent = budget.mechanism_of(settings).epsilon()
     assert spent is not None and spent > 1.0
     with pytest.raises(BudgetExceeded, match=rf"epsilon {spent:.3f} over 4 rounds \(N=200, q=0.05"):
-        rounds.require_budget(settings, Ledger(settings.delta, 1.0), rounds.ServerState(), False)
+        budget.require_budget(settings, Ledger(settings.delta, 1.0), checkpoint.ServerState(), False)
     roomy = FederatedConfig(**{**vars(SETTINGS), "epsilon_budget": 50.0})
-    rounds.require_budget(roomy, Ledger(roomy.delta, 50.0), rounds.ServerState(), False)  # fits
+    budget.require_budget(roomy, Ledger(roomy.delta, 50.0), checkpoint.ServerState(), False)  # fits
 
 
 def test_a_round_accounted_before_a_kill_is_never_run_again(tmp_path: Path) -> None:
@@ -104,18 +103,18 @@ def test_a_round_accounted_before_a_kill_is_never_run_again(tmp_path: Path) -> N
     server keeps the spend, records the round as not adopted and goes on with the next one."""
     ledger = Ledger(SETTINGS.delta)
     ledger.record((1.1, 0.05, 1))
-    state = rounds.ServerState(round=1, initial_loss=5.0, ledger=vars(ledger) | {}, pending=2)
+    state = checkpoint.ServerState(round=1, initial_loss=5.0, ledger=vars(ledger) | {}, pending=2)
     arrays = [np.ones(s, np.float32) for s in SPEC.shapes]
     tmp_path.mkdir(exist_ok=True)
     state.save(tmp_path, arrays)  # round 1 adopted and saved
     ledger.record((1.1, 0.05, 1))  # round 2 accounted (write-ahead), then the kill
     state.ledger = json.loads(json.dumps(vars(ledger)))
-    (tmp_path / rounds.STATE_FILE).write_text(json.dumps(vars(state)))
-    again = rounds.ServerState.load(tmp_path)
-    resumed = rounds._ledger(again, SETTINGS)
+    (tmp_path / checkpoint.STATE_FILE).write_text(json.dumps(vars(state)))
+    again = checkpoint.ServerState.load(tmp_path)
+    resumed = checkpoint.ledger_of(again.ledger, SETTINGS)
     rounds._settle_pending(again, resumed, SETTINGS, SimpleNamespace(work=tmp_path, model=None))
     assert again.round == 2 and again.pending is None and len(resumed.a1) == 2  # spent once, kept
     assert again.records[-1]["round"] == 2 and not again.records[-1]["accepted"]
     assert all(np.array_equal(a, b) for a, b in zip(again.arrays(tmp_path), arrays, strict=True))
-    saved = json.loads((tmp_path / rounds.STATE_FILE).read_text())
+    saved = json.loads((tmp_path / checkpoint.STATE_FILE).read_text())
     assert saved["round"] == 2 and saved["pending"] is None and len(saved["ledger"]["a1"]) == 2

@@ -17,10 +17,11 @@ from flwr.common import FitIns, ndarrays_to_parameters
 from flwr.compat.common import recorddict_compat as compat
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-from nimmer_train.config.federated import FederatedConfig
-from nimmer_train.federation import results, rounds
+from nimmer_train.config.federated import FederatedConfig, SecAggConfig
+from nimmer_train.federation import checkpoint, results
 from nimmer_train.federation.app import client_app
 from nimmer_train.federation.client import REFUSAL, Node
+from nimmer_train.federation.strategy import fit_config
 from nimmer_train.federation.wire import AdapterSpec
 from nimmer_train.memory.contributions import entries
 from nimmer_train.memory.synthetic import generate_player
@@ -31,7 +32,11 @@ from tests.helpers.memory import HashEmbedder
 
 
 def _train_message(settings: FederatedConfig, spec: AdapterSpec) -> Message:
-    config_ = {**rounds.fit_config(settings, spec), "round": 2, KEY_CLIPPING_NORM: settings.clipping_norm}
+    config_ = {
+        **fit_config(settings, spec),
+        "round": 2,
+        KEY_CLIPPING_NORM: settings.user_dp.clipping_norm,
+    }
     arrays = [np.zeros(shape, np.float32) for shape in spec.shapes]
     content = compat.fitins_to_recorddict(FitIns(ndarrays_to_parameters(arrays), config_), keep_input=True)
     metadata = Metadata(
@@ -58,7 +63,7 @@ def test_a_refusing_node_answers_in_one_line_without_a_traceback(
     drops out as before, SecAgg+ recovers its masks) that says only REFUSAL, and one INFO line."""
     device = tmp_path / "device"
     generate_player(device, HashEmbedder(), seed=3, entries=20, player_id="player-77aa", tier=tier)
-    settings = FederatedConfig(secure_aggregation=False)
+    settings = FederatedConfig(secagg=SecAggConfig(enabled=False))
     spec = AdapterSpec(("a", "b"), ((6, 4), (9,)))
     app = client_app(lambda _ctx: Node(tmp_path / "base", tmp_path / "adapter", device=device), False)
     context = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
@@ -76,8 +81,10 @@ def _published(settings: FederatedConfig, rounds_: int) -> dict:
     """What a federation of ``settings`` that released ``rounds_`` rounds publishes."""
     ledger = Ledger(settings.delta)
     for _ in range(rounds_):
-        ledger.record((settings.noise_multiplier, settings.fraction_fit, 1), [(1.0, 1 / 16, 6)])
-    state = rounds.ServerState(
+        ledger.record(
+            (settings.user_dp.noise_multiplier, settings.user_dp.fraction_fit, 1), [(1.0, 1 / 16, 6)]
+        )
+    state = checkpoint.ServerState(
         round=rounds_,
         stopped="completed",
         records=[{"round": r + 1, "accepted": True, "a1_contributions_noised": 3.0} for r in range(rounds_)],

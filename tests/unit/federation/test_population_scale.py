@@ -14,8 +14,16 @@ import numpy as np
 import pytest
 from opacus.accountants import RDPAccountant
 
-from nimmer_train.config.federated import FederatedConfig
-from nimmer_train.federation import rounds
+from nimmer_train.config.federated import (
+    AuditConfig,
+    FederatedConfig,
+    LocalDPConfig,
+    LocalRecipeConfig,
+    SecAggConfig,
+    SimulationConfig,
+    UserDPConfig,
+)
+from nimmer_train.federation import checkpoint
 from nimmer_train.federation.local_training import load_trainable
 from nimmer_train.federation.population import build_population
 from nimmer_train.federation.simulator import Simulator
@@ -28,24 +36,28 @@ from tests.helpers.memory import HashEmbedder
 SEED = 3  # the seeded generator both paths draw their cohorts and noise from (production: OS entropy)
 SETTINGS = FederatedConfig(
     rounds=3,
-    contributors=999,  # + the A.2 node: N = 1,000 nodes
-    population=["A1_federated"],
-    fraction_fit=0.01,  # expected cohort q N = 10
-    noise_multiplier=0.8,
-    clipping_norm=0.5,
     delta=1e-6,
     min_participants=1,
-    secure_aggregation=False,
-    local_dp=False,  # plain local SGD: the user-level mechanism alone (and comparable)
-    local_steps=1,
-    batch_size=8,
-    lr=0.5,
-    max_examples=16,
-    max_length=32,
-    entries_per_player=24,
     heldout_examples=8,
-    exposure_canaries=0,  # the record-level canary audit has its own tests (tests/unit/privacy)
-    simulation_cpus=1,  # one Ray actor: the other test worker has the other core
+    secagg=SecAggConfig(enabled=False),
+    user_dp=UserDPConfig(
+        fraction_fit=0.01,  # expected cohort q N = 10
+        noise_multiplier=0.8,
+        clipping_norm=0.5,
+    ),
+    local=LocalRecipeConfig(steps=1, batch_size=8, lr=0.5, max_examples=16, max_length=32),
+    local_dp=LocalDPConfig(
+        on_devices=False,  # plain local SGD: the user-level mechanism alone (and comparable)
+    ),
+    audit=AuditConfig(
+        canaries=0,  # the record-level canary audit has its own tests (tests/unit/privacy)
+    ),
+    simulation=SimulationConfig(
+        contributors=999,  # + the A.2 node: N = 1,000 nodes
+        population=["A1_federated"],
+        entries_per_player=24,
+        cpus=1,  # one Ray actor: the other test worker has the other core
+    ),
 )
 
 
@@ -108,7 +120,7 @@ def test_the_simulator_selects_the_same_cohorts_and_releases_the_same_aggregate(
     state = simulator.run(SETTINGS, tmp_path / "sim", np.random.default_rng(SEED))
     assert [r["sampled"] for r in state.records] == [r["sampled"] for r in records]
     assert {p.name for p in (plan.folder / "devices").iterdir()} == built_before  # no other contributor
-    flower_arrays = rounds.ServerState.load(plan.state_file.parent).arrays(plan.state_file.parent)
+    flower_arrays = checkpoint.ServerState.load(plan.state_file.parent).arrays(plan.state_file.parent)
     with np.load(tmp_path / "sim" / "global-r0003.npz") as data:
         simulated = [data[f"arr_{i}"] for i in range(len(data.files))]
     assert flower_arrays is not None and len(simulated) == len(flower_arrays)

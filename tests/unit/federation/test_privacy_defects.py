@@ -37,15 +37,22 @@ from nimmer_train.config.federated import (
     SECAGG_MAX_NODES,
     SECAGG_MODULUS_RANGE,
     SECAGG_QUANTIZATION_RANGE,
+    A2Config,
     FederatedConfig,
+    LocalDPConfig,
+    LocalRecipeConfig,
+    SecAggConfig,
+    SimulationConfig,
+    UserDPConfig,
 )
 from nimmer_train.errors import ConfigError
-from nimmer_train.federation import results, rounds
+from nimmer_train.federation import budget, checkpoint, results, rounds
 from nimmer_train.federation.app import client_app
 from nimmer_train.federation.client import REFUSAL, Node, device_examples, example_text
 from nimmer_train.federation.local_training import LocalTrainingConfig, load_trainable, train_locally
 from nimmer_train.federation.mods import contribution
 from nimmer_train.federation.population import build_population
+from nimmer_train.federation.strategy import NoisyMean, RoundOutcome, fit_config
 from nimmer_train.federation.wire import (
     A2_METRICS,
     QUANTUM,
@@ -74,7 +81,11 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def _train_message(settings: FederatedConfig, arrays: list[np.ndarray], spec: AdapterSpec) -> Message:
     """The fit instruction the server sends (its fit config plus what Flower's DP wrapper adds)."""
-    config = {**rounds.fit_config(settings, spec), "round": 1, KEY_CLIPPING_NORM: settings.clipping_norm}
+    config = {
+        **fit_config(settings, spec),
+        "round": 1,
+        KEY_CLIPPING_NORM: settings.user_dp.clipping_norm,
+    }
     content = compat.fitins_to_recorddict(FitIns(ndarrays_to_parameters(arrays), config), keep_input=True)
     metadata = Metadata(
         run_id=1,
@@ -107,16 +118,18 @@ def test_a_nodes_reply_says_nothing_in_plaintext_about_who_or_how_much(
     one under C; an opt-out device refuses the round and sends nothing."""
     base, adapter = release
     settings = FederatedConfig(
-        contributors=2,
-        population=["A1_federated", "opt_out"],
-        entries_per_player=40,
-        local_steps=2,
-        secure_aggregation=False,  # the plain reply: what SecAgg+ would then mask, readable here
+        secagg=SecAggConfig(
+            enabled=False,  # the plain reply: what SecAgg+ would then mask, readable here
+        ),
+        local=LocalRecipeConfig(steps=2),
+        simulation=SimulationConfig(
+            contributors=2, population=["A1_federated", "opt_out"], entries_per_player=40
+        ),
     )
     population = build_population(tmp_path / "devices", settings, HashEmbedder())
     model, _ = load_trainable(base, adapter)
     arrays, spec = get_arrays(model), spec_of(model)
-    s = indicator_value(settings.clipping_norm)
+    s = indicator_value(settings.user_dp.clipping_norm)
     for device, tier in zip(population.devices, population.tiers, strict=True):
         texts, contributor = device_examples(device)
         app = client_app(lambda _ctx, d=device: Node(base, adapter, device=d), secure_aggregation=False)
@@ -132,7 +145,7 @@ def test_a_nodes_reply_says_nothing_in_plaintext_about_who_or_how_much(
         assert set(res.metrics) <= set(A2_METRICS) and not res.metrics
         *update, indicator = parameters_to_ndarrays(res.parameters)
         joint = np.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in [*update, indicator]))
-        assert joint <= settings.clipping_norm
+        assert joint <= settings.user_dp.clipping_norm
         if tier == "A1_federated":
             assert texts and contributor
             assert indicator.tolist() == [s]
@@ -149,7 +162,7 @@ def _results(a1: int, others: int, settings: FederatedConfig, a2: list[tuple] = 
         update = [
             rng.normal(size=shape) if i < a1 or i >= a1 + others else np.zeros(shape) for shape in SPEC.shapes
         ]
-        arrays = contribution(update, i < a1, settings.clipping_norm, 0.0)
+        arrays = contribution(update, i < a1, settings.user_dp.clipping_norm, 0.0)
         metrics = {}
         if i >= a1 + others:
             noise, rate, steps = a2[i - a1 - others]
@@ -162,17 +175,21 @@ def test_a_round_with_fewer_real_a1_updates_than_the_threshold_releases_nothing(
     """Item 4: five nodes answered, but only one carries a real A.1 update: the server could
     subtract the known rest and read it, so the round releases nothing (before, every node
     counted toward min_participants)."""
-    settings = FederatedConfig(min_participants=3, secure_aggregation=False)
-    strategy = rounds.NoisyMean(settings, SPEC, rounds.fit_config(settings, SPEC))
+    settings = FederatedConfig(min_participants=3, secagg=SecAggConfig(enabled=False))
+    strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC))
     released, _ = strategy.aggregate_fit(1, _results(a1=1, others=4, settings=settings), [])
     assert released is None and strategy.outcome.update is None
     assert strategy.outcome.reason == (
         "fewer real A.1 updates in the sum than federated.min_participants=3"  # no count in it
     )
-    strategy = rounds.NoisyMean(
-        FederatedConfig(min_participants=3, secure_aggregation=False, noise_multiplier=0.01),
+    strategy = NoisyMean(
+        FederatedConfig(
+            min_participants=3,
+            secagg=SecAggConfig(enabled=False),
+            user_dp=UserDPConfig(noise_multiplier=0.01),
+        ),
         SPEC,
-        rounds.fit_config(settings, SPEC),
+        fit_config(settings, SPEC),
     )
     strategy.aggregate_fit(1, _results(a1=3, others=2, settings=settings), [])
     assert strategy.outcome.accepted and strategy.outcome.update is not None
@@ -193,14 +210,8 @@ def test_a_nodes_update_cannot_be_recomputed_from_the_server_configuration(
     arrays = get_arrays(model)
     texts = [example_text(e) for e in heldout_examples(24, seed=5)]
     recipe = LocalTrainingConfig(
-        local_steps=2,
-        batch_size=8,
-        lr=3.0,
-        max_length=32,
-        max_examples=64,
-        dp_noise_multiplier=1.0,
-        dp_max_grad_norm=0.1,
-        grad_sample_mode="hooks",
+        LocalRecipeConfig(steps=2, batch_size=8, lr=3.0, max_length=32, max_examples=64),
+        LocalDPConfig(noise_multiplier=1.0, max_grad_norm=0.1, grad_sample_mode="hooks"),
         seed=7,
     )
     one = train_locally(base, adapter, arrays, texts, recipe, tmp_path / "one.json", 1e-5)
@@ -210,11 +221,11 @@ def test_a_nodes_update_cannot_be_recomputed_from_the_server_configuration(
 
 def test_the_servers_noise_does_not_follow_numpys_global_seed() -> None:
     """Item 2, server side: the Gaussian noise on the sum comes from an OS-entropy generator."""
-    settings = FederatedConfig(min_participants=3, secure_aggregation=False)
+    settings = FederatedConfig(min_participants=3, secagg=SecAggConfig(enabled=False))
     updates = []
     for _ in range(2):
         np.random.seed(0)
-        strategy = rounds.NoisyMean(settings, SPEC, rounds.fit_config(settings, SPEC))
+        strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC))
         strategy.aggregate_fit(1, _results(a1=3, others=0, settings=settings), [])
         updates.append(strategy.outcome.update)
     assert not all(np.array_equal(a, b) for a, b in zip(*updates, strict=True))
@@ -224,11 +235,11 @@ def test_the_servers_noise_does_not_follow_numpys_global_seed() -> None:
 
 
 class _Strategy:
-    def __init__(self, outcome: rounds.RoundOutcome) -> None:
+    def __init__(self, outcome: RoundOutcome) -> None:
         self.outcome = outcome
 
 
-def _loop(settings: FederatedConfig, ledger: Ledger, outcome: rounds.RoundOutcome, work: Path) -> Any:
+def _loop(settings: FederatedConfig, ledger: Ledger, outcome: RoundOutcome, work: Path) -> Any:
     """A round loop whose fit round "happened" with ``outcome`` (no Flower, no nodes)."""
     return rounds._RoundLoop(
         grid=None,
@@ -247,9 +258,9 @@ def test_every_a2_node_of_a_round_is_accounted() -> None:
     """Item 6: two A.2 nodes in one round: both DP-SGD runs reach the ledger (before, the last
     one's step overwrote the first's). Each claims the configured step, the only one the server
     accepts (tests/unit/federation/test_review_attacks.py)."""
-    settings = FederatedConfig(min_participants=3, secure_aggregation=False)
-    strategy = rounds.NoisyMean(settings, SPEC, rounds.fit_config(settings, SPEC))
-    a2 = [rounds.planned_a2(settings)] * 2
+    settings = FederatedConfig(min_participants=3, secagg=SecAggConfig(enabled=False))
+    strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC))
+    a2 = [budget.planned_a2(settings)] * 2
     strategy.aggregate_fit(1, _results(a1=3, others=1, settings=settings, a2=a2), [])
     assert strategy.outcome.a2_steps == a2
 
@@ -266,11 +277,13 @@ def test_a_round_over_budget_by_its_actual_steps_is_discarded_and_the_federation
     low = Ledger(1e-5).after(a1_step, [planned])["a2_record_level"]
     high = Ledger(1e-5).after(a1_step, [actual])["a2_record_level"]
     assert low < high
-    settings = FederatedConfig(epsilon_budget=(low + high) / 2, secure_aggregation=False, heldout_examples=4)
+    settings = FederatedConfig(
+        epsilon_budget=(low + high) / 2, heldout_examples=4, secagg=SecAggConfig(enabled=False)
+    )
     ledger = Ledger(settings.delta, settings.epsilon_budget)
     ledger.plan(a1_step, [planned])  # the round's plan fits
     update = [np.full(shape, 0.5, np.float32) for shape in SPEC.shapes]
-    outcome = rounds.RoundOutcome(sampled=4, participants=4, accepted=True, update=update, a2_steps=[actual])
+    outcome = RoundOutcome(sampled=4, participants=4, accepted=True, update=update, a2_steps=[actual])
     work = tmp_path / "rounds"
     loop = _loop(settings, ledger, outcome, work)
     before = [np.zeros(shape, np.float32) for shape in SPEC.shapes]
@@ -282,11 +295,11 @@ def test_a_round_over_budget_by_its_actual_steps_is_discarded_and_the_federation
     base, adapter = release
     setup = rounds.make_setup(base, adapter, work, settings, None)
     work.mkdir()
-    state = rounds.ServerState(initial_loss=1.0, ledger={})
+    state = checkpoint.ServerState(initial_loss=1.0, ledger={})
     rounds._checkpoint(
         state, SimpleNamespace(ledger=ledger, setup=setup), record, get_arrays(setup.model), stopping
     )
-    saved = json.loads((work / rounds.STATE_FILE).read_text())
+    saved = json.loads((work / checkpoint.STATE_FILE).read_text())
     assert saved["stopped"] == stopping and saved["round"] == 1
     for _ in range(2):
         reported: list[dict] = []
@@ -297,21 +310,33 @@ def test_a_round_over_budget_by_its_actual_steps_is_discarded_and_the_federation
 # --- item 7: the edges -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["noise_multiplier", "dp_noise_multiplier", "count_noise_multiplier"])
+NO_NOISE = {
+    "user_dp.noise_multiplier": {"user_dp": UserDPConfig(noise_multiplier=0.0)},
+    "local_dp.noise_multiplier": {"local_dp": LocalDPConfig(noise_multiplier=0.0)},
+    "a2.count_noise_multiplier": {"a2": A2Config(count_noise_multiplier=0.0)},
+}
+
+
+@pytest.mark.parametrize("name", sorted(NO_NOISE))
 def test_no_noise_is_refused_unless_the_experiment_says_no_privacy(name: str) -> None:
-    with pytest.raises(ConfigError, match=f"federated.{name}.*no_privacy"):
-        FederatedConfig(**{name: 0.0})
-    assert FederatedConfig(**{name: 0.0}, no_privacy=True).no_privacy
+    with pytest.raises(ConfigError, match=rf"federated\.{re.escape(name)}.*no_privacy"):
+        FederatedConfig(**NO_NOISE[name])
+    assert FederatedConfig(**NO_NOISE[name], no_privacy=True).no_privacy
     with pytest.raises(ConfigError, match="epsilon_budget"):
         FederatedConfig(no_privacy=True, epsilon_budget=8.0)
-    assert FederatedConfig(noise_multiplier=0.01).noise_multiplier == 0.01  # the presets stay valid
+    presets = FederatedConfig(user_dp=UserDPConfig(noise_multiplier=0.01))  # the presets stay valid
+    assert presets.user_dp.noise_multiplier == 0.01
 
 
 def test_a_no_privacy_federation_publishes_no_epsilon(tmp_path: Path) -> None:
-    settings = FederatedConfig(noise_multiplier=0.0, dp_noise_multiplier=0.0, no_privacy=True)
+    settings = FederatedConfig(
+        no_privacy=True,
+        user_dp=UserDPConfig(noise_multiplier=0.0),
+        local_dp=LocalDPConfig(noise_multiplier=0.0),
+    )
     ledger = Ledger(settings.delta)
     ledger.record((0.0, 1.0, 1), [(0.0, 0.25, 6)])
-    state = rounds.ServerState(
+    state = checkpoint.ServerState(
         round=1,
         stopped="completed",
         records=[{"round": 1, "accepted": True, "a1_contributions_noised": 3.0, "heldout_loss": 1.0}],
@@ -362,14 +387,22 @@ def test_secagg_overflow_is_refused_before_it_happens() -> None:
     refused with the bound named."""
     assert (SECAGG_MAX_NODES + 1) * SECAGG_QUANTIZATION_RANGE % SECAGG_MODULUS_RANGE == 0
     assert SECAGG_MAX_NODES * SECAGG_QUANTIZATION_RANGE < SECAGG_MODULUS_RANGE
-    FederatedConfig(contributors=SECAGG_MAX_NODES - 1)  # with the A.2 node: 1023 nodes, all sampled
+    FederatedConfig(
+        simulation=SimulationConfig(contributors=SECAGG_MAX_NODES - 1)
+    )  # with the A.2 node: 1023 nodes, all sampled
     with pytest.raises(ConfigError, match="1023 nodes per round.*overflows"):
-        FederatedConfig(contributors=SECAGG_MAX_NODES)
+        FederatedConfig(simulation=SimulationConfig(contributors=SECAGG_MAX_NODES))
     # Poisson cohorts vary: an expected 1000 of 100,000 may pass 1023; 500 of them stays clear
     with pytest.raises(ConfigError, match="expected cohort of 1000"):
-        FederatedConfig(contributors=99_999, fraction_fit=0.01)
-    FederatedConfig(contributors=99_999, fraction_fit=0.005)
-    FederatedConfig(contributors=SECAGG_MAX_NODES, secure_aggregation=False)  # no SecAgg+: no bound
+        FederatedConfig(
+            user_dp=UserDPConfig(fraction_fit=0.01), simulation=SimulationConfig(contributors=99_999)
+        )
+    FederatedConfig(
+        user_dp=UserDPConfig(fraction_fit=0.005), simulation=SimulationConfig(contributors=99_999)
+    )
+    FederatedConfig(
+        secagg=SecAggConfig(enabled=False), simulation=SimulationConfig(contributors=SECAGG_MAX_NODES)
+    )  # no SecAgg+: no bound
 
     class Proxy(ClientProxy):
         get_properties = get_parameters = fit = evaluate = reconnect = None  # type: ignore[assignment]
@@ -378,7 +411,7 @@ def test_secagg_overflow_is_refused_before_it_happens() -> None:
     for i in range(SECAGG_MAX_NODES + 1):
         manager.register(Proxy(str(i)))
     settings = FederatedConfig()
-    strategy = rounds.NoisyMean(settings, SPEC, rounds.fit_config(settings, SPEC))
+    strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC))
     assert strategy.configure_fit(1, ndarrays_to_parameters([]), manager) == []
     assert strategy.outcome.stop and re.search(r"1024 nodes sampled.*at most 1023", strategy.outcome.stop)
 
@@ -387,17 +420,17 @@ def test_secaggs_rounding_keeps_a_contribution_under_the_clipping_norm() -> None
     """Item 7: a contribution clipped exactly to C leaves SecAgg+ (float32 quantisation with
     stochastic rounding, then dequantisation) with a norm above C about half the time; clipped to
     wire.contribution_bound it never does. Flower's own quantize/dequantize, our SecAgg+ ranges."""
-    settings = FederatedConfig(clipping_norm=10.0)
+    settings = FederatedConfig(user_dp=UserDPConfig(clipping_norm=10.0))
     workflow = rounds._fit_workflow(settings)
     clip_range, quant_range = workflow.clipping_range, workflow.quantization_range
-    quantum = rounds.fit_config(settings, SPEC)[QUANTUM]
+    quantum = fit_config(settings, SPEC)[QUANTUM]
     assert quantum == 2 * clip_range / quant_range
     rng = np.random.default_rng()
     norms = []
     for trial in range(40):
         update = [rng.normal(size=(200, 100)), rng.normal(size=(1000,))]
-        sent = contribution(update, trial % 2 == 0, settings.clipping_norm, quantum)
+        sent = contribution(update, trial % 2 == 0, settings.user_dp.clipping_norm, quantum)
         received = dequantize(quantize(sent, clip_range, quant_range), clip_range, quant_range)
         norms.append(float(np.sqrt(sum(float(np.sum(np.square(r))) for r in received))))
-    assert max(norms) <= settings.clipping_norm
-    assert min(norms) > settings.clipping_norm - 0.01  # and the margin costs nearly nothing
+    assert max(norms) <= settings.user_dp.clipping_norm
+    assert min(norms) > settings.user_dp.clipping_norm - 0.01  # and the margin costs nearly nothing

@@ -22,7 +22,7 @@ import yaml
 from scipy.special import logsumexp
 from scipy.stats import binom
 
-from nimmer_train.config.federated import FederatedConfig
+from nimmer_train.config.federated import FederatedConfig, SimulationConfig, UserDPConfig
 from nimmer_train.federation import results
 from nimmer_train.privacy.accounting import epsilon
 from nimmer_train.privacy.audit import (
@@ -111,12 +111,11 @@ def test_exposure_is_log2_m_minus_log2_of_the_sorted_rank() -> None:
 
 def _demo_like(noise: float) -> FederatedConfig:
     return FederatedConfig(
-        contributors=9999,
-        fraction_fit=0.004,
-        noise_multiplier=noise,
         rounds=3,
         delta=1e-6,
         epsilon_budget=None,
+        user_dp=UserDPConfig(fraction_fit=0.004, noise_multiplier=noise),
+        simulation=SimulationConfig(contributors=9999),
     )
 
 

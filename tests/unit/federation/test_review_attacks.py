@@ -23,11 +23,19 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 
-from nimmer_train.config.federated import FederatedConfig
-from nimmer_train.federation import rounds
+from nimmer_train.config.federated import (
+    A2Config,
+    FederatedConfig,
+    LocalDPConfig,
+    LocalRecipeConfig,
+    SecAggConfig,
+    UserDPConfig,
+)
+from nimmer_train.federation import budget, checkpoint, rounds
 from nimmer_train.federation.client import Contributor, Node, example_text
 from nimmer_train.federation.local_training import LocalTrainingConfig, load_trainable, train_locally
 from nimmer_train.federation.mods import contribution
+from nimmer_train.federation.strategy import NoisyMean, fit_config
 from nimmer_train.federation.wire import A2_METRICS, AdapterSpec, get_arrays, indicator_value
 from nimmer_train.memory.synthetic import heldout_examples
 from nimmer_train.privacy.a2_pool import A2Pool
@@ -57,7 +65,9 @@ def _fit_res(arrays: list[np.ndarray], metrics: dict | None = None) -> tuple[Non
 def _a1_results(settings: FederatedConfig, count: int) -> list[tuple[None, FitRes]]:
     rng = np.random.default_rng(0)
     return [
-        _fit_res(contribution([rng.normal(size=s) for s in SPEC.shapes], True, settings.clipping_norm, 0.0))
+        _fit_res(
+            contribution([rng.normal(size=s) for s in SPEC.shapes], True, settings.user_dp.clipping_norm, 0.0)
+        )
         for _ in range(count)
     ]
 
@@ -91,17 +101,17 @@ def test_the_a2_nodes_accounting_step_does_not_depend_on_the_pools_size(
     so one example at a boundary (48 -> 49) changed it with certainty. After: every pool size gives
     the step the settings fix, the only one the server accepts."""
     base, adapter = release
-    settings = FederatedConfig(local_steps=2, max_length=24)
+    settings = FederatedConfig(local=LocalRecipeConfig(steps=2, max_length=24))
     model, _ = load_trainable(base, adapter)
     arrays = get_arrays(model)
-    config = {**rounds.fit_config(settings, rounds.spec_of(model)), "round": 1}
+    config = {**fit_config(settings, rounds.spec_of(model)), "round": 1}
     steps = set()
     for examples in (48, 49, 300):  # 300: beyond max_examples (256), every example is still used
         node = Node(base, adapter, a2_pool=_pool(tmp_path, examples))
         _, _, metrics = Contributor(node).fit(arrays, config)
         steps.add(tuple(metrics[k] for k in A2_METRICS))
-    assert len(steps) == 1 and steps == {rounds.planned_a2(settings)}  # before: 1/3, 1/4, 1/16
-    assert rounds.planned_a2(settings)[1] == 1 / 16  # batch_size / max_examples, whatever the pool
+    assert len(steps) == 1 and steps == {budget.planned_a2(settings)}  # before: 1/3, 1/4, 1/16
+    assert budget.planned_a2(settings)[1] == 1 / 16  # batch_size / max_examples, whatever the pool
 
 
 def test_an_empty_poisson_batch_still_takes_the_noisy_step(
@@ -121,14 +131,8 @@ def test_an_empty_poisson_batch_still_takes_the_noisy_step(
     model, _ = load_trainable(base, adapter)
     arrays = get_arrays(model)
     recipe = LocalTrainingConfig(
-        local_steps=3,
-        batch_size=4,
-        lr=3.0,
-        max_length=24,
-        max_examples=64,
-        dp_noise_multiplier=1.0,
-        dp_max_grad_norm=0.1,
-        grad_sample_mode="hooks",
+        LocalRecipeConfig(steps=3, batch_size=4, lr=3.0, max_length=24, max_examples=64),
+        LocalDPConfig(noise_multiplier=1.0, max_grad_norm=0.1, grad_sample_mode="hooks"),
         seed=0,
     )
     texts = [example_text(e) for e in heldout_examples(16, seed=4)]  # rate 1/4, expected batch 4
@@ -154,20 +158,20 @@ def test_an_empty_poisson_batch_still_takes_the_noisy_step(
     ],
 )
 def test_a_node_cannot_claim_an_a2_step_other_than_the_configured_one(claim: tuple) -> None:
-    settings = FederatedConfig(min_participants=3, secure_aggregation=False)
-    strategy = rounds.NoisyMean(settings, SPEC, rounds.fit_config(settings, SPEC))
+    settings = FederatedConfig(min_participants=3, secagg=SecAggConfig(enabled=False))
+    strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC))
     forged = _fit_res(
-        contribution([np.zeros(s) for s in SPEC.shapes], False, settings.clipping_norm, 0.0),
+        contribution([np.zeros(s) for s in SPEC.shapes], False, settings.user_dp.clipping_norm, 0.0),
         dict(zip(A2_METRICS, claim, strict=True)),
     )
     released, _ = strategy.aggregate_fit(1, [*_a1_results(settings, 3), forged], [])
     assert released is None and not strategy.outcome.accepted and strategy.outcome.a2_steps == []
     assert strategy.outcome.reason.startswith("aggregate rejected: an A.2 accounting step")
     # the A.2 node's own claim is the configured step, and it is accounted
-    honest = _fit_res(parameters_of(forged), dict(zip(A2_METRICS, rounds.planned_a2(settings), strict=True)))
-    strategy = rounds.NoisyMean(settings, SPEC, rounds.fit_config(settings, SPEC))
+    honest = _fit_res(parameters_of(forged), dict(zip(A2_METRICS, budget.planned_a2(settings), strict=True)))
+    strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC))
     strategy.aggregate_fit(1, [*_a1_results(settings, 3), honest], [])
-    assert strategy.outcome.accepted and strategy.outcome.a2_steps == [rounds.planned_a2(settings)]
+    assert strategy.outcome.accepted and strategy.outcome.a2_steps == [budget.planned_a2(settings)]
     assert Ledger(settings.delta).after(None, strategy.outcome.a2_steps)["a2_record_level"] > 0
 
 
@@ -188,11 +192,11 @@ def test_nodes_are_poisson_sampled_at_the_accounted_rate_from_the_os_entropy() -
     """Before: FedAvg took max(int(0.2 * 7), min_participants = 3) = 3 of 7 nodes every round,
     a rate of 0.43 accounted as 0.2 (epsilon 5.75 published for 10.27 spent over ten rounds at
     z = 1), drawn by random.sample: the same nodes after the same random.seed."""
-    settings = FederatedConfig(fraction_fit=0.2, min_participants=3)
+    settings = FederatedConfig(min_participants=3, user_dp=UserDPConfig(fraction_fit=0.2))
     manager = SimpleClientManager()
     for i in range(7):
         manager.register(_Proxy(str(i)))
-    strategy = rounds.NoisyMean(settings, SPEC, rounds.fit_config(settings, SPEC))
+    strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC))
     samples = []
     for _ in range(600):
         random.seed(0)
@@ -202,7 +206,7 @@ def test_nodes_are_poisson_sampled_at_the_accounted_rate_from_the_os_entropy() -
     rate = sum(len(s) for s in samples) / (7 * len(samples))
     assert rate == pytest.approx(0.2, abs=0.04)  # binomial sd 0.006
     assert len(set(samples)) > 20  # not fixed by Python's global seed
-    everyone = rounds.NoisyMean(FederatedConfig(), SPEC, rounds.fit_config(settings, SPEC))
+    everyone = NoisyMean(FederatedConfig(), SPEC, fit_config(settings, SPEC))
     assert len(everyone.configure_fit(1, ndarrays_to_parameters([]), manager)) == 7  # q = 1: all
 
 
@@ -214,8 +218,8 @@ def test_one_contribution_moves_the_plain_sum_by_at_most_c() -> None:
     one contribution beside 600 others move it by 1.00001 C (plain FedAvg, simulation only). The
     float32 cast of the noisy mean afterwards is post-processing."""
     spec = AdapterSpec(("a",), ((99,),))
-    settings = FederatedConfig(secure_aggregation=False, clipping_norm=1.0)
-    strategy = rounds.NoisyMean(settings, spec, rounds.fit_config(settings, spec))
+    settings = FederatedConfig(secagg=SecAggConfig(enabled=False), user_dp=UserDPConfig(clipping_norm=1.0))
+    strategy = NoisyMean(settings, spec, fit_config(settings, spec))
 
     def summed(first: np.ndarray) -> np.ndarray:
         nodes = [(first, bool(first.any())), *[(np.full(99, 0.9), True)] * 600]
@@ -223,7 +227,7 @@ def test_one_contribution_moves_the_plain_sum_by_at_most_c() -> None:
         return np.concatenate([a.ravel() for a in strategy._sum(results)])
 
     moved = np.linalg.norm(summed(np.full(99, 0.8)) - summed(np.zeros(99)))
-    assert settings.clipping_norm - 1e-6 < moved <= settings.clipping_norm
+    assert settings.user_dp.clipping_norm - 1e-6 < moved <= settings.user_dp.clipping_norm
 
 
 # --- what held: the noise on the sum, and what a no_privacy federation's cards say -----------------
@@ -234,20 +238,22 @@ def test_the_noise_on_the_sum_has_std_z_c_on_every_coordinate_and_the_indicator(
     the sum (the mean times the fixed q N, indicator sum) is z C, as the A.1 step accounts; the
     mean's is z C / (q N), however many nodes answered (here 3 of q N = 7)."""
     settings = FederatedConfig(
-        min_participants=3, secure_aggregation=False, noise_multiplier=0.7, clipping_norm=3.0
+        min_participants=3,
+        secagg=SecAggConfig(enabled=False),
+        user_dp=UserDPConfig(noise_multiplier=0.7, clipping_norm=3.0),
     )
-    s = indicator_value(settings.clipping_norm)
+    s = indicator_value(settings.user_dp.clipping_norm)
     zeros = [_fit_res(contribution([np.zeros(sh) for sh in SPEC.shapes], True, 3.0, 0.0)) for _ in range(3)]
     sums, indicators = [], []
     for _ in range(400):
-        strategy = rounds.NoisyMean(settings, SPEC, rounds.fit_config(settings, SPEC))
+        strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC))
         strategy.aggregate_fit(1, zeros, [])
         update, a1 = strategy.outcome.update, strategy.outcome.a1_noised
         assert update is not None and a1 is not None
         assert strategy.mechanism.expected_cohort == 7
         sums.append(np.concatenate([u.ravel() for u in update]) * 7)
         indicators.append(a1 * s - 3 * s)
-    expected = settings.noise_multiplier * settings.clipping_norm
+    expected = settings.user_dp.noise_multiplier * settings.user_dp.clipping_norm
     assert np.std(sums) == pytest.approx(expected, rel=0.03) and abs(np.mean(sums)) < 0.1  # 5 sd
     assert np.std(indicators) == pytest.approx(expected, rel=0.15)
 
@@ -259,9 +265,12 @@ def test_a_no_privacy_federations_card_does_not_call_exact_counts_noised() -> No
     from nimmer_train.publish import card
 
     settings = FederatedConfig(
-        noise_multiplier=0.0, dp_noise_multiplier=0.0, count_noise_multiplier=0.0, no_privacy=True
+        no_privacy=True,
+        user_dp=UserDPConfig(noise_multiplier=0.0),
+        local_dp=LocalDPConfig(noise_multiplier=0.0),
+        a2=A2Config(count_noise_multiplier=0.0),
     )
-    state = rounds.ServerState(
+    state = checkpoint.ServerState(
         round=1,
         stopped="completed",
         records=[{"round": 1, "accepted": True, "a1_contributions_noised": 3.0}],

@@ -15,10 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from nimmer_train.config.federated import FederatedConfig, PrivacySweepConfig
+from nimmer_train.config.federated import (
+    FederatedConfig,
+    LocalRecipeConfig,
+    PrivacySweepConfig,
+    SimulationConfig,
+    UserDPConfig,
+)
 from nimmer_train.errors import ConfigError
+from nimmer_train.federation.budget import mechanism_of
 from nimmer_train.federation.population import SketchEmbedder
-from nimmer_train.federation.rounds import mechanism_of
 from nimmer_train.federation.sweep import (
     Cell,
     cell_settings,
@@ -30,7 +36,12 @@ from nimmer_train.federation.sweep import (
 )
 from tests.helpers.flower_deployment import tiny_release
 
-RECIPE = FederatedConfig(clipping_norm=1.0, lr=1.0, local_steps=1, entries_per_player=16, heldout_examples=8)
+RECIPE = FederatedConfig(
+    heldout_examples=8,
+    user_dp=UserDPConfig(clipping_norm=1.0),
+    local=LocalRecipeConfig(lr=1.0, steps=1),
+    simulation=SimulationConfig(entries_per_player=16),
+)
 SWEEP = PrivacySweepConfig(
     epsilons=[8.0, float("inf")],
     populations=[40],
@@ -55,7 +66,7 @@ def test_a_sweep_runs_every_cell_and_seed_once_and_reports_mean_shares(tmp_path:
     assert private["epsilon"] == 8.0 and open_["epsilon"] is None and open_["noise_multiplier"] == 0.0
     assert private["seeds"] == open_["seeds"] == 2 and [r["seed"] for r in private["runs"]] == [0, 1]
     settings = cell_settings(RECIPE, SWEEP, Cell(8.0, 40))
-    assert settings.fraction_fit == pytest.approx(5 / 40) and settings.nodes() == 40
+    assert settings.user_dp.fraction_fit == pytest.approx(5 / 40) and settings.nodes() == 40
     spent = mechanism_of(settings).epsilon()
     assert spent is not None and 7.9 < spent <= 8.0 and private["epsilon_spent"] == pytest.approx(spent)
     # each seed's share against the non-private run of the same seed; the cell: their mean and spread
@@ -174,8 +185,8 @@ def test_the_documented_overrides_compose() -> None:
 
 def _sweep_overrides(adapter: Path) -> list[str]:
     return [
-        "experiment=ci_tiny", f"federated.adapter_dir={adapter}", "federated.clipping_norm=1.0",
-        "federated.lr=1.0", "federated.local_steps=1", "federated.entries_per_player=16",
+        "experiment=ci_tiny", f"federated.adapter_dir={adapter}", "federated.user_dp.clipping_norm=1.0",
+        "federated.local.lr=1.0", "federated.local.steps=1", "federated.simulation.entries_per_player=16",
         "federated.heldout_examples=8", "privacy_sweep.populations=[12]", "privacy_sweep.epsilons=[8,inf]",
         "privacy_sweep.rounds=1", "privacy_sweep.cohort=3", "privacy_sweep.goal_cells=[8@12]",
     ]  # fmt: skip

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from nimmer_train.config.federated import LocalDPConfig, LocalRecipeConfig
 from nimmer_train.federation.client import example_text
 from nimmer_train.federation.exposure_audit import canary_exposure
 from nimmer_train.federation.local_training import LocalTrainingConfig, load_trainable
@@ -88,21 +89,19 @@ def test_dp_keeps_canaries_near_chance_and_the_non_dp_control_memorises(release:
     base, adapter = release
     pool = [example_text(e) for e in heldout_examples(16, seed=4)]  # the A.2 pool's training lines
     dp = LocalTrainingConfig(  # the A.2 node's recipe (FederatedConfig's DP-SGD defaults), longer
-        local_steps=125,
-        batch_size=16,
-        lr=3.0,
-        max_length=48,
-        max_examples=100,
-        dp_noise_multiplier=1.0,
-        dp_max_grad_norm=0.1,
-        grad_sample_mode="hooks",
+        LocalRecipeConfig(steps=125, batch_size=16, lr=3.0, max_length=48, max_examples=100),
+        LocalDPConfig(noise_multiplier=1.0, max_grad_norm=0.1, grad_sample_mode="hooks"),
         seed=0,
         public_rate=True,
     )
     # the control: no noise, and a step well inside plain SGD's stable range (on this machine lr 2.0
     # already memorised less, about 4 bits at 16 plantings: CI once saw 4.7 at lr 1.0), trained
     # twice as long; it then memorises the 16-times-planted canaries to the top of the scale
-    control = dataclasses.replace(dp, dp_noise_multiplier=0.0, dp_max_grad_norm=1.0, lr=0.5, local_steps=250)
+    control = dataclasses.replace(
+        dp,
+        recipe=dataclasses.replace(dp.recipe, lr=0.5, steps=250),
+        dp=dataclasses.replace(dp.dp, noise_multiplier=0.0, max_grad_norm=1.0),
+    )
     report = canary_exposure(
         base, adapter, pool, dp, rounds=2, delta=1e-5, per_count=4, references=300,
         control=control, rng=np.random.default_rng(0),

@@ -14,8 +14,8 @@ from scipy.optimize import brentq
 from scipy.stats import norm
 from torch.utils.data import DataLoader, TensorDataset
 
-from nimmer_train.config.federated import FederatedConfig
-from nimmer_train.federation.rounds import count_step, planned_a2
+from nimmer_train.config.federated import FederatedConfig, UserDPConfig
+from nimmer_train.federation.budget import count_step, planned_a2
 from nimmer_train.privacy.accounting import Ledger, Step
 from nimmer_train.privacy.dp_sgd import DPConfig, accounted_rate, make_private, public_sample_rate
 from tests.unit.privacy.test_dp_guarantees import _lora_model
@@ -43,7 +43,9 @@ def _demo_ledger(settings: FederatedConfig, rounds: int) -> Ledger:
     counts (what the demo's state.json holds)."""
     ledger = Ledger(settings.delta)
     for _ in range(rounds):
-        ledger.record((settings.noise_multiplier, settings.fraction_fit, 1), [planned_a2(settings)])
+        ledger.record(
+            (settings.user_dp.noise_multiplier, settings.user_dp.fraction_fit, 1), [planned_a2(settings)]
+        )
     ledger.record_release("a2_pool_counts", count_step(settings))
     return ledger
 
@@ -51,9 +53,9 @@ def _demo_ledger(settings: FederatedConfig, rounds: int) -> Ledger:
 @pytest.mark.parametrize(
     "settings",
     [
-        FederatedConfig(noise_multiplier=0.01),
+        FederatedConfig(user_dp=UserDPConfig(noise_multiplier=0.01)),
         FederatedConfig(),
-        FederatedConfig(noise_multiplier=2.0, rounds=10),
+        FederatedConfig(rounds=10, user_dp=UserDPConfig(noise_multiplier=2.0)),
     ],
     ids=["z=0.01 (the demo before issue 14)", "defaults", "z=2, 10 rounds"],
 )
@@ -67,9 +69,9 @@ def test_published_epsilons_are_upper_bounds_by_a_second_accountant(settings: Fe
         rdp = RDPAccountant()
         rdp.history = list(history)
         assert spent[name] == pytest.approx(rdp.get_epsilon(settings.delta), rel=1e-12)
-    mu = math.sqrt(settings.rounds) / settings.noise_multiplier  # q = 1: T Gaussians compose to one
+    mu = math.sqrt(settings.rounds) / settings.user_dp.noise_multiplier  # q = 1: T Gaussians compose to one
     assert spent["a1_user_level"] >= _gaussian(mu, settings.delta)
-    if settings.noise_multiplier >= 0.5:  # PRV's domain: it cannot resolve z = 0.01
+    if settings.user_dp.noise_multiplier >= 0.5:  # PRV's domain: it cannot resolve z = 0.01
         assert spent["a1_user_level"] >= _prv(ledger.a1, settings.delta) - 0.01
     assert spent["a2_record_level"] >= _prv(ledger.a2, settings.delta) - 0.01
 
@@ -105,7 +107,8 @@ def test_the_demo_publishes_a_user_level_epsilon_of_at_most_8_at_delta_1e_6() ->
     """Issue 14, item 7: `make demo`'s federation is a population that can carry the noise; its
     A.1 guarantee, Opacus RDP over its T Poisson rounds, is at most 8 at delta 1e-6 (and above the
     PRV accountant's figure for the same rounds), and its own budget check passes before round 1."""
-    from nimmer_train.federation.rounds import ServerState, mechanism_of, require_budget
+    from nimmer_train.federation.budget import mechanism_of, require_budget
+    from nimmer_train.federation.checkpoint import ServerState
     from tests.helpers.compose import config
 
     settings = config("experiment=demo").federated
