@@ -58,8 +58,9 @@ def _epsilon_by_integration(z: float, q: float, rounds: int, delta: float) -> fl
 
 def test_the_demo_publishes_at_most_8_at_delta_1e_6_recomputed_without_opacus() -> None:
     fed = yaml.safe_load(DEMO.read_text())["federated"]
-    n = fed.get("population_size") or fed["contributors"] + 1
-    z, q, rounds, delta = fed["noise_multiplier"], fed["fraction_fit"], fed["rounds"], fed["delta"]
+    user = fed["user_dp"]
+    n = user.get("population_size") or fed["simulation"]["contributors"] + 1
+    z, q, rounds, delta = user["noise_multiplier"], user["fraction_fit"], fed["rounds"], fed["delta"]
     assert n == 10_000 and delta == pytest.approx(1e-6) and fed["epsilon_budget"] <= 8
     mine = _epsilon_by_integration(z, q, rounds, delta)
     ledger = epsilon([(z, q, rounds)], delta)
