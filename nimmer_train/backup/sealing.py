@@ -78,6 +78,8 @@ def check_metadata(meta: Any) -> dict[str, Any]:
         value = meta.get(key)
         if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:
             raise BackupError(f"metadata.{key} must be a string of 1-{MAX_NAME_CHARS} characters")
+        if not _utf8(value):
+            raise BackupError(f"metadata.{key} is not valid Unicode text (a lone surrogate such as \\ud800)")
     if not UUID_RE.fullmatch(meta["backup_id"]):
         raise BackupError("metadata.backup_id must be a lowercase uuid4")
     for key, top in (("lora_version", MAX_VERSION), ("size_bytes", MAX_VERSION)):
@@ -85,6 +87,16 @@ def check_metadata(meta: Any) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
             raise BackupError(f"metadata.{key} must be an integer in [0, {top}], not {value!r}")
     return meta
+
+
+def _utf8(text: str) -> bool:
+    """JSON's ``"\\ud800"`` parses to a lone surrogate, which no store can encode (SQLite refuses to
+    bind it): such a name must be a 400 at the door, not an error half-way through storing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _exact_kdf(kdf: Any) -> bool:

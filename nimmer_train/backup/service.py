@@ -46,7 +46,13 @@ from nimmer_train.backup.device import (
     signed_message,
 )
 from nimmer_train.backup.sealing import BackupError, Sealed, unseal
-from nimmer_train.backup.storage import BackupConflict, BackupNotFound, BackupStore, LocalBlobs
+from nimmer_train.backup.storage import (
+    BackupConflict,
+    BackupNotFound,
+    BackupStore,
+    BackupUnavailable,
+    LocalBlobs,
+)
 
 MAX_BODY_BYTES = 8 * 2**20  # a sealed gameplay LoRA is well under this (base64 of a few MB)
 RATE_LIMIT = (60, 60.0)  # requests per account (or failing address) per window of seconds
@@ -209,6 +215,8 @@ def create_app(
             return {"backup_id": await run_in_threadpool(store.put, account, body)}
         except BackupConflict as exc:
             raise HTTPException(409, str(exc)) from exc
+        except BackupUnavailable as exc:  # the database failed; nothing of the upload was kept
+            raise HTTPException(503, str(exc)) from exc
         except BackupError as exc:
             raise HTTPException(400, str(exc)) from exc
         except OSError as exc:  # the blob store failed; nothing of the upload was kept

@@ -47,6 +47,10 @@ class BackupConflict(BackupError):
     """The account already holds this LoRA version (or this backup id)."""
 
 
+class BackupUnavailable(BackupError):
+    """The host's database or blob store failed; nothing of the request was kept (503: retry)."""
+
+
 class BackupNotFound(BackupError):
     """No such backup in the asking account (another account's backups are not revealed)."""
 
@@ -132,31 +136,49 @@ class BackupStore:
 
     def put(self, account: str, blob: bytes) -> str:
         """Store a sealed backup in ``account``; the metadata comes from the blob's own plain part,
-        checked in full before anything is written. Any failure leaves neither row nor blob."""
+        checked in full before anything is written. Any failure leaves neither row nor blob, and
+        removes only a blob this call wrote: the backup id is the uploader's to choose, so a
+        failed upload must never delete whatever already sits under it (another account's)."""
         sealed = Sealed.from_bytes(blob)
         meta = sealed.metadata
         if meta["account"] != account:
             raise BackupError("the sealed backup names another backup account than the one it is uploaded to")
-        backup_id, name, version = meta["backup_id"], meta["lora_name"], meta["lora_version"]
         with self.lock:
-            self.db.execute("BEGIN IMMEDIATE")
             try:
-                self.db.execute(
-                    "INSERT INTO player_lora_backups VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (backup_id, account, name, version, sealed.method, time.time(), meta["size_bytes"]),
-                )
-                self.blobs.put(backup_id, blob)  # inside the transaction: a row never points at nothing
+                self.db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise BackupUnavailable(f"the backup database is busy or failing ({exc}); try again") from exc
+            wrote = False
+            try:
+                self._insert(account, sealed)
+                # the id was free (the row went in), so whatever is put under it is this call's;
+                # the blob goes in inside the transaction: a row never points at nothing
+                wrote = True
+                self.blobs.put(meta["backup_id"], blob)
                 self.db.execute("COMMIT")
-            except sqlite3.IntegrityError as exc:
-                self.db.execute("ROLLBACK")
-                raise BackupConflict(
-                    f"{name} version {version} is already backed up for this account"
-                ) from exc
             except BaseException:
                 self.db.execute("ROLLBACK")
-                self.blobs.delete(backup_id)
+                if wrote:
+                    self.blobs.delete(meta["backup_id"])
                 raise
-        return backup_id
+        return meta["backup_id"]
+
+    def _insert(self, account: str, sealed: Sealed) -> None:
+        """The metadata row, or the error the service maps: 409 for a version or id already
+        stored, 400 for a value SQLite cannot bind, 503 for a database that fails."""
+        meta = sealed.metadata
+        name, version = meta["lora_name"], meta["lora_version"]
+        row = (meta["backup_id"], account, name, version, sealed.method, time.time(), meta["size_bytes"])
+        try:
+            self.db.execute("INSERT INTO player_lora_backups VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+        except sqlite3.IntegrityError as exc:
+            raise BackupConflict(
+                f"{name!r} version {version} (or this backup id) is already backed up"
+            ) from exc
+        except (ValueError, OverflowError, sqlite3.InterfaceError, sqlite3.DataError) as exc:
+            raise BackupError(f"the backup's metadata cannot be stored: {exc}") from exc
+        except sqlite3.Error as exc:
+            raise BackupUnavailable(f"the backup database failed ({exc}); try again") from exc
 
     def get(self, account: str, backup_id: str) -> bytes:
         """The blob of ``backup_id`` if ``account`` owns it."""
