@@ -53,6 +53,7 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.server.workflow.default_workflows import default_fit_workflow
 from flwr.serverapp.grid import Grid
+from transformers import AutoTokenizer
 
 from nimmer_train.config.federated import SECAGG_MODULUS_RANGE, SECAGG_QUANTIZATION_RANGE, FederatedConfig
 from nimmer_train.federation.budget import (
@@ -64,9 +65,13 @@ from nimmer_train.federation.budget import (
     reserve,
 )
 from nimmer_train.federation.checkpoint import STATE_FILE, ServerState, ledger_of, write_ahead
+from nimmer_train.federation.client import example_text
+from nimmer_train.federation.local_training import encode_rows, load_trainable
+from nimmer_train.federation.population import heldout_seed
 from nimmer_train.federation.strategy import NoisyMean, RoundOutcome, ScreeningGrid, fit_config
 from nimmer_train.federation.wire import AdapterSpec, get_arrays, set_arrays, spec_of
 from nimmer_train.loras.train import heldout_loss
+from nimmer_train.memory.synthetic import heldout_examples
 from nimmer_train.privacy.accounting import BudgetExceeded, Ledger, Step
 from nimmer_train.privacy.dp_fedavg import entropy_rng
 
@@ -90,13 +95,6 @@ def make_setup(
 ) -> ServerSetup:
     """The server's evaluation model and its held-out set: synthetic examples drawn by the server
     itself from the player generator (public data, never a contributor's)."""
-    from transformers import AutoTokenizer
-
-    from nimmer_train.federation.client import example_text
-    from nimmer_train.federation.local_training import encode_rows, load_trainable
-    from nimmer_train.federation.population import heldout_seed
-    from nimmer_train.memory.synthetic import heldout_examples
-
     model = load_trainable(base_dir, adapter_dir)[0].eval()
     texts = [
         example_text(e) for e in heldout_examples(settings.heldout_examples, seed=heldout_seed(settings.seed))
