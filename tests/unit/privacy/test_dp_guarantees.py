@@ -1,6 +1,7 @@
 """The record-level guarantees hold as stated (issue 20): a record's per-sample gradient does not
 depend on the other records of its batch (items 3), DP-SGD's noise and Poisson masks do not come
-from a seed anyone can set (item 2), the ledger accounts every A.2 mechanism of a round (item 6)
+from a seed anyone can set (item 2), DP-SGD's rate and divisor need not move with the dataset's
+size (which a published epsilon would reveal), the ledger accounts every A.2 mechanism of a round (item 6)
 and gives no epsilon for a mechanism without noise (item 7), and the A.2 pool's counts leave the
 server only noised (item 1)."""
 
@@ -23,7 +24,14 @@ from nimmer_train.config import ModelConfig
 from nimmer_train.privacy.a2_pool import COUNT_SENSITIVITY, A2Pool, noised_counts
 from nimmer_train.privacy.accounting import BudgetExceeded, Ledger, epsilon
 from nimmer_train.privacy.anonymize import anonymize
-from nimmer_train.privacy.dp_sgd import DPConfig, lm_loss, make_private, opacus_sample_rate
+from nimmer_train.privacy.dp_sgd import (
+    DPConfig,
+    accounted_rate,
+    lm_loss,
+    make_private,
+    opacus_sample_rate,
+    public_sample_rate,
+)
 
 VOCAB = 256
 
@@ -139,6 +147,33 @@ def test_the_planned_a2_rate_is_the_one_opacus_accounts() -> None:
         )
         assert opacus_sample_rate(examples, 1) == 1 / len(private.loader), examples
     assert opacus_sample_rate(93, 1) == 1 / 92
+
+
+def test_a_public_rate_and_divisor_do_not_depend_on_the_datasets_size() -> None:
+    """Opacus's defaults sample at 1 / len(loader) and divide by int(len(dataset) * rate): both move
+    with one record (48 -> 49 records in batches of 16: rate 1/3 -> 1/4, divisor 16 -> 12). With
+    DPConfig's sample_rate and expected_batch_size neither does."""
+    warnings.filterwarnings("ignore")
+
+    def private(records: int, settings: DPConfig) -> tuple[float, float]:
+        model = _lora_model()
+        data = TensorDataset(torch.zeros(records, 4, dtype=torch.long))
+        p = make_private(
+            model,
+            torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=0.1),
+            DataLoader(data, batch_size=16),
+            settings,
+        )
+        return 1 / len(p.loader), p.optimizer.expected_batch_size
+
+    default = {records: private(records, DPConfig()) for records in (48, 49)}
+    assert default[48] != default[49]
+    rate = public_sample_rate(16, 256)
+    fixed = {
+        records: private(records, DPConfig(sample_rate=rate, expected_batch_size=16))
+        for records in (48, 49, 300)
+    }
+    assert set(fixed.values()) == {(accounted_rate(rate), 16)} and accounted_rate(rate) == 1 / 16
 
 
 def test_every_a2_mechanism_of_a_round_is_accounted() -> None:

@@ -2,7 +2,7 @@
 registry and releases-folder edits by someone without the signing key, pulls, interrupted
 publishes, and the consistency of the signed ``lora_carry`` with ``compatible_loras``. Each
 test is a property that holds; the ones that failed when the review found them say so. Built on
-tests/unit/test_rebase.py's signed v1 (base A, two LoRAs) in seconds."""
+tests/unit/publish/test_rebase.py's signed v1 (base A, two LoRAs) in seconds."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from nimmer_train.publish.signing import Keyring
 from nimmer_train.publish.stage import _carried
 from nimmer_train.publish.versions import CompatibilityError, check_lora, open_version
 from tests.helpers.compose import config
-from tests.unit import test_rebase
-from tests.unit.test_rebase import REGISTERS, Published
+from tests.unit.publish import test_rebase
+from tests.unit.publish.test_rebase import REGISTERS, Published
 
 published = test_rebase.published  # the fixture: v1 on base A with both LoRAs, signed
 LENIENT = RebaseConfig(min_gain=-1e9, min_margin=-1e9, retrain=False)  # inherits anything finite
