@@ -15,6 +15,12 @@ from nimmer_train.agent.scratch import NOTE_TYPES
 from nimmer_train.agent.tool_registry import Tool, ToolRegistry, object_schema
 from nimmer_train.memory.player_memory import Mode
 
+# The tools that only read (no note, no search log or access count, no sync, no resolve): the
+# only ones an in-between turn may offer a remote ring (runtime/tool_calls.py), since whatever a
+# writing tool stores there would carry in-between speech into the primary store. A new tool is
+# kept off in-between turns until it is listed here.
+READ_ONLY_TOOLS = frozenset({"memory_get", "dream_search", "dream_status", "curiosity_state"})
+
 
 def memory_tools(agent: AgentMemory, mode: Mode = Mode.REALWORLD, dreams: Any = True) -> ToolRegistry:
     """The registry of the memory tools over ``agent``, acting in ``mode``, with part 2's

@@ -21,6 +21,7 @@ from nimmer_train.memory.canon import assemble
 from nimmer_train.memory.player_memory import Mode, as_mode
 from nimmer_train.runtime.rings import Ring, RingReply
 from nimmer_train.runtime.selection import RegisterSelector, SelectionConfig
+from nimmer_train.runtime.tool_calls import turn_mode
 from nimmer_train.voice.prompt_dsl import (
     TURN_SCHEMA,
     AffectState,
@@ -159,7 +160,8 @@ class NpcRuntime:
         t["knobs"] = time.perf_counter()
         prompt = self._prompt(req, mode, ring, register, traits, knobs, hints)
         t["assemble"] = time.perf_counter()
-        attempts = _speak_valid(ring, prompt, register, name, knobs, req.output_schema)
+        with turn_mode(mode):  # Ring C's memory tools follow the turn's mode (runtime/tool_calls.py)
+            attempts = _speak_valid(ring, prompt, register, name, knobs, req.output_schema)
         withheld = clasp_withheld(mode, ring) if self.memory is not None else []
         withheld = [*routed, *withheld]
         w0 = time.perf_counter()
