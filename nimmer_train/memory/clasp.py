@@ -62,7 +62,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from nimmer_train.artifacts import write_bytes_atomic
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.db import connect, get_meta, migrate, set_meta
-from nimmer_train.memory.llm_config import KEY_FILE, device_secret
+from nimmer_train.memory.llm_config import KEY_FILE, MIN_SECRET_CHARS, device_secret
 from nimmer_train.memory.schema import CLASP_MIGRATIONS
 
 CLASP_FILE = "clasp.sealed"
@@ -286,7 +286,14 @@ def _lock(folder: Path) -> IO[bytes]:
 
 
 def _kek(secret: str) -> AESGCM:
-    """The key that wraps store keys: HKDF-SHA256 of the device's random secret."""
+    """The key that wraps store keys: HKDF-SHA256 of the device's random secret. HKDF does not
+    stretch, so a short secret ("" from a key file cut short) would let the sealed file alone be
+    opened: refused here too, whoever passes it."""
+    if len(secret) < MIN_SECRET_CHARS:
+        raise NimmerError(
+            f"the device secret has {len(secret)} characters; the clasp is sealed only under a "
+            f"{KEY_FILE} of at least {MIN_SECRET_CHARS}"
+        )
     return AESGCM(
         HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=KEY_INFO).derive(secret.encode())
     )

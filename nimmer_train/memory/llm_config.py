@@ -30,6 +30,9 @@ from nimmer_train.memory.db import connect, migrate
 
 CONFIG_FILE = "llm_config.sqlite"
 KEY_FILE = "runtime.key"
+# the key is made as secrets.token_urlsafe(32): 43 characters; anything under 32 (an empty file
+# left by a write cut short, a hand-edited stub) would seal the clasp and BYOK keys under a guess
+MIN_SECRET_CHARS = 32
 RING_CODES = ("A_local", "B_our_farm", "C_external")
 TIERS = ("casual", "deep")
 
@@ -82,7 +85,20 @@ def device_secret(folder: Path) -> str:
     mode = path.stat().st_mode
     if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise NimmerError(f"{path} is readable by others (mode {oct(mode & 0o777)}); chmod 600 it")
-    return path.read_text().strip()
+    try:
+        secret = path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        secret = ""
+    if len(secret) < MIN_SECRET_CHARS:
+        raise NimmerError(
+            f"{path} holds {len(secret)} usable characters, not a device key (at least "
+            f"{MIN_SECRET_CHARS}: an empty or short file is what a write cut short leaves, and what "
+            f"is sealed under it anyone could open). Put back this device's {KEY_FILE} from a backup, "
+            f"or move it aside (e.g. to {KEY_FILE}.broken) and a new key is made on the next start; "
+            f"what the old key sealed cannot be opened then: move clasp.sealed aside too (the "
+            f"in-between memories it holds are lost) and enter your provider keys again"
+        )
+    return secret
 
 
 def _check(row: dict[str, Any]) -> dict[str, list[str]]:
