@@ -2,7 +2,8 @@
 against a real server on loopback and shows it is now refused or bounded. The limits live in
 runtime/request_limits.py, before the engine: most tests run the server over a recording stand-in
 engine (fast, and the limits must hold whatever the engine); the last runs the tiny published
-model itself."""
+model itself. The follow-up review's requests that still reached a 500 (a schema the grammar
+compiler raises on, a lone surrogate) are among the malformed ones."""
 
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ from tests.helpers.loopback import serve_app
 
 LABEL = "nimmerworld-base-v1"
 SCHEMA = {"type": "object", "properties": {"line": {"type": "string"}}, "required": ["line"]}
+SURROGATE = b'{"model": "%s", "messages": [{"role": "user", "content": "hi \\ud800 there"}]}'
 
 
 class StandInEngine:
     """What the server needs of a model: a label, LoRAs, a context, a tokenizer, ``prepare`` and
-    an ``engine`` to submit to. One token per word; it records what it was asked to do and
-    answers each job at once."""
+    an ``engine`` to submit to. One token per word; like every Hugging Face tokenizer it takes
+    UTF-8 text; it records what it was asked to do and answers each job at once."""
 
     label, registers, context_tokens = LABEL, ["drunk-scavenger"], 512
 
@@ -43,6 +45,8 @@ class StandInEngine:
         self.metrics = ServeMetrics()
 
     def apply_chat_template(self, messages: list[dict[str, str]], **_: Any) -> list[int]:
+        for m in messages:
+            m["content"].encode("utf-8")
         return [0] * sum(len(m["content"].split()) + 4 for m in messages)
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
@@ -76,8 +80,8 @@ def server() -> Iterator[tuple[httpx.Client, StandInEngine]]:
         yield httpx.Client(base_url=url, timeout=30), engine
 
 
-def _chat(**extra: Any) -> dict[str, Any]:
-    return {"model": LABEL, "messages": [{"role": "user", "content": "Speak."}], **extra}
+def _chat(model: str = LABEL, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "Speak."}], **extra}
 
 
 def _refused(response: httpx.Response, status: int, param: str | None, *words: str) -> None:
@@ -85,6 +89,17 @@ def _refused(response: httpx.Response, status: int, param: str | None, *words: s
     error = response.json()["error"]
     assert error["param"] == param and error["type"], error
     assert all(w in error["message"] for w in words), error["message"]
+
+
+def _fmt(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _assert_400(reply: httpx.Response, *words: str) -> dict[str, Any]:
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert all(w in error["message"] for w in words), error
+    return error
 
 
 # 8. resource limits
@@ -250,6 +265,44 @@ def test_non_json_constants_are_refused(server: tuple[httpx.Client, StandInEngin
     _refused(reply, 400, None, "not valid JSON")
 
 
+# integers past 64 bits in a schema: the grammar compiler raises ValueError (it does not return
+# an error), which escaped the schema cache as a 500
+BIG_SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer", "maximum": 10**300}}},
+    {"type": "object", "properties": {"a": {"type": "string", "minLength": 10**20}}},
+    {"type": "array", "minItems": 2**64},
+    {"type": "object", "properties": {"a": {"enum": [10**40]}}},
+]
+
+
+@pytest.mark.parametrize("schema", BIG_SCHEMAS)
+def test_a_schema_the_compiler_raises_on_is_a_400(
+    server: tuple[httpx.Client, StandInEngine], schema: dict[str, Any]
+) -> None:
+    client, engine = server
+    reply = client.post("/v1/chat/completions", json=_chat(response_format=_fmt(schema)))
+    error = _assert_400(reply, "cannot be compiled")
+    assert error["param"] == "response_format" and engine.calls == []
+
+
+def test_a_lone_surrogate_is_a_400_not_a_500(server: tuple[httpx.Client, StandInEngine]) -> None:
+    """``\\ud800`` is valid JSON but not Unicode text: Python's json accepts it, the tokenizer
+    raised inside the request check (500). In content, in a schema, anywhere: 400 invalid_json."""
+    client, engine = server
+    reply = client.post("/v1/chat/completions", content=SURROGATE % LABEL.encode())
+    assert _assert_400(reply, "surrogate")["code"] == "invalid_json"
+    schema = b'{"type": "object", "properties": {"a": {"enum": ["\\udfff"]}}}'
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "response_format": ' % (
+        LABEL.encode()
+    )
+    body += b'{"type": "json_schema", "json_schema": {"schema": ' + schema + b"}}}"
+    _assert_400(client.post("/v1/chat/completions", content=body), "surrogate")
+    assert engine.calls == []
+    # an escaped surrogate *pair* is one real character and stays fine
+    pair = b'{"model": "%s", "messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}]}'
+    assert client.post("/v1/chat/completions", content=pair % LABEL.encode()).status_code == 200
+
+
 # the real engine: the review's requests against the tiny published model
 
 
@@ -285,3 +338,14 @@ def test_the_real_engine_is_bounded_by_its_context(tiny_model: LocalModel) -> No
             assert (
                 httpx.post(f"{url}/v1/chat/completions", content=raw.encode(), timeout=60).status_code == 400
             )
+
+
+@pytest.mark.slow
+def test_the_real_engine_answers_400_to_both(tiny_model: LocalModel) -> None:
+    with serve_app(create_app(tiny_model)) as url:
+        reply = httpx.post(f"{url}/v1/chat/completions", content=SURROGATE % tiny_model.label.encode())
+        _assert_400(reply, "surrogate")
+        body = _chat(tiny_model.label, response_format=_fmt(BIG_SCHEMAS[0]))
+        _assert_400(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60), "cannot be compiled")
+        ok = httpx.post(f"{url}/v1/chat/completions", json=_chat(tiny_model.label, max_tokens=4), timeout=60)
+        assert ok.status_code == 200 and json.loads(ok.text)["usage"]["completion_tokens"] <= 4
