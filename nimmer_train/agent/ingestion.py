@@ -5,8 +5,9 @@
   ``memory_get`` can quote it. Re-ingesting a file embeds only chunks whose hash is new, moves
   the line range of unchanged chunks, and expires chunks that are gone; a deleted file's
   crystals expire. ``memory/scratch.md`` is read one note line per crystal (the
-  working_memory_note format). Invalid UTF-8 or binary files are skipped with a warning that
-  names the file. A file that changes while it is read is read again until it holds still.
+  working_memory_note format). Invalid UTF-8 or binary files, and files reached through a
+  symlink (read only inside the agent folder: recall.read_workspace_file), are skipped with a
+  warning that names the file. A file that changes while it is read is read again until it holds still.
 - ``skills/**.md``: the same chunks, as frozen crystals (never decayed).
 - Transcripts: :class:`TranscriptIndexer` turns each exchange into an episode crystal on a
   background thread (speaker, session id, turn ids, timestamp), so a turn never waits for it;
@@ -33,6 +34,7 @@ import numpy as np
 from nimmer_train.agent.crystal_store import CrystalStore
 from nimmer_train.agent.crystals import CrystalSpec, content_hash
 from nimmer_train.agent.extra import missing_extra
+from nimmer_train.agent.recall import is_memory_file, read_workspace_file
 from nimmer_train.agent.scratch import SCRATCH, note_spec
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.clasp import ClaspBusy
@@ -103,15 +105,6 @@ def chunk_markdown(text: str, max_chars: int = MAX_CHUNK_CHARS) -> list[Chunk]:
     return chunks
 
 
-def is_memory_file(relative: str) -> bool:
-    parts = Path(relative).parts
-    if relative == "MEMORY.md":
-        return True
-    if len(parts) == 2 and parts[0] == "memory" and parts[1].endswith(".md"):
-        return True
-    return len(parts) >= 2 and parts[0] == "skills" and parts[-1].endswith(".md")
-
-
 def workspace_files(folder: Path) -> list[str]:
     found = [p for p in [folder / "MEMORY.md"] if p.is_file()]
     found += sorted((folder / "memory").glob("*.md"))
@@ -144,12 +137,14 @@ def specs_for(relative: str, text: str) -> list[CrystalSpec]:
     ]
 
 
-def _read_settled(path: Path, attempts: int = 5) -> bytes | None:
-    """The file's bytes once two reads agree (a file being written converges), or None if gone."""
+def _read_settled(folder: Path, relative: str, attempts: int = 5) -> bytes | None:
+    """The file's bytes once two reads agree (a file being written converges), or None if gone.
+    Read inside ``folder`` only (recall.read_workspace_file): a symlink is NimmerError, never
+    followed, so nothing outside the agent folder is indexed."""
     try:
-        data = path.read_bytes()
+        data = read_workspace_file(folder, relative)
         for _ in range(attempts):
-            again = path.read_bytes()
+            again = read_workspace_file(folder, relative)
             if again == data:
                 return data
             data = again
@@ -159,12 +154,24 @@ def _read_settled(path: Path, attempts: int = 5) -> bytes | None:
         return None
 
 
+def _unchanged(folder: Path, relative: str, data: bytes) -> bool:
+    try:
+        return _read_settled(folder, relative) == data
+    except NimmerError:  # swapped for a link while we embedded: the next pass refuses it
+        return False
+
+
 def ingest_file(agent: CrystalStore, relative: str) -> dict[str, int]:
     """Bring one workspace file's crystals in step with the file (see the module docstring)."""
     path = agent.folder / relative
     counts = {"added": 0, "kept": 0, "expired": 0, "skipped": 0}
     for _ in range(5):
-        data = _read_settled(path)
+        try:
+            data = _read_settled(agent.folder, relative)
+        except NimmerError as exc:
+            log.warning("%s: %s; skipped, its crystals are left as they were", path, exc)
+            counts["skipped"] = 1
+            return counts
         specs: list[CrystalSpec] = []
         if data is not None:
             if b"\x00" in data:
@@ -203,7 +210,7 @@ def ingest_file(agent: CrystalStore, relative: str) -> dict[str, int]:
                     new.append(spec)
             gone = [entry_id for rows in existing.values() for entry_id, _, _ in rows]
         vectors = agent.embedder.embed([s.text for s in new]) if new else np.zeros((0, 384), np.float32)
-        if data is not None and _read_settled(path) != data:
+        if data is not None and not _unchanged(agent.folder, relative, data):
             continue  # edited while we embedded: start again from the new content
         with agent.lock, agent.db("primary"):
             db = agent.db("primary")

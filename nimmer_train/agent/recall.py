@@ -5,17 +5,22 @@ its bookkeeping: access counts, generated -> activated, the search log) and ``me
 
 from __future__ import annotations
 
-from pathlib import Path
+import errno
+import os
+import stat
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
 from nimmer_train.agent.crystal_store import CrystalStore
 from nimmer_train.agent.crystals import Crystal, load, transition
 from nimmer_train.agent.search import SearchWeights, fuse, keyword_ranked, recency, weighted
+from nimmer_train.artifacts import NOFOLLOW
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.player_memory import Mode, as_mode
 
 Hit = tuple[float, float, str, int]  # (score, similarity, store, entry id)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 def memory_search(
@@ -177,27 +182,85 @@ def _bookkeep(
 
 def memory_get(agent: CrystalStore, path: str, start: int = 1, lines: int | None = None) -> dict[str, object]:
     """Exact lines of a workspace memory file: ``lines`` lines from line ``start`` (1-based)."""
-    target = workspace_file(agent.folder, path)
+    workspace_file(agent.folder, path)
     if start < 1:
         raise NimmerError(f"from: {start} must be 1 or more (lines are numbered from 1)")
     if lines is not None and lines < 1:
         raise NimmerError(f"lines: {lines} must be 1 or more")
     try:
-        all_lines = target.read_bytes().decode("utf-8").splitlines()
+        all_lines = read_workspace_file(agent.folder, path).decode("utf-8").splitlines()
     except FileNotFoundError as exc:
-        raise NimmerError(f"path: {path} does not exist in {agent.folder}") from exc
+        raise NimmerError(f"path: {path!r} does not exist in {agent.folder}") from exc
     except UnicodeDecodeError as exc:
-        raise NimmerError(f"path: {path} is not valid UTF-8 (byte {exc.start})") from exc
+        raise NimmerError(f"path: {path!r} is not valid UTF-8 (byte {exc.start})") from exc
     end = len(all_lines) if lines is None else min(len(all_lines), start - 1 + lines)
     chosen = all_lines[start - 1 : end]
     return {"path": path, "from": start, "lines": len(chosen), "text": "\n".join(chosen)}
 
 
+def is_memory_file(relative: str) -> bool:
+    """MEMORY.md, memory/*.md or skills/**.md: the files an agent's memory is made of."""
+    parts = PurePosixPath(relative).parts
+    if relative == "MEMORY.md":
+        return True
+    if len(parts) == 2 and parts[0] == "memory" and parts[1].endswith(".md"):
+        return True
+    return len(parts) >= 2 and parts[0] == "skills" and parts[-1].endswith(".md")
+
+
 def workspace_file(folder: Path, path: str) -> Path:
-    """The file of a workspace path (MEMORY.md, memory/*.md, skills/...); nothing outside."""
-    relative = Path(path)
+    """The file of a workspace path (MEMORY.md, memory/*.md, skills/**.md); nothing outside."""
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise NimmerError(f"path: {path!r} must be a non-empty relative path without NUL bytes")
+    relative = PurePosixPath(path)
     if relative.is_absolute() or ".." in relative.parts:
         raise NimmerError(f"path: {path!r} must be relative to the agent folder, without '..'")
-    if not (relative == Path("MEMORY.md") or relative.parts[0] in ("memory", "skills")):
-        raise NimmerError(f"path: {path!r} is not a memory file (MEMORY.md, memory/*.md or skills/...)")
+    if not is_memory_file(relative.as_posix()):
+        raise NimmerError(f"path: {path!r} is not a memory file (MEMORY.md, memory/*.md or skills/**.md)")
     return folder / relative
+
+
+def read_workspace_file(folder: Path, path: str) -> bytes:
+    """The bytes of a workspace file, read without leaving ``folder``: every component is opened
+    relative to the one before with O_NOFOLLOW, so a symlink anywhere under the folder (the file,
+    ``memory/``, a skills subfolder), swapped in before or during the walk, is refused rather than
+    followed to a file outside (which ingestion would index and a Ring C turn could carry off).
+    FileNotFoundError when it is not there; NimmerError naming ``path`` for anything refused."""
+    parts = workspace_file(folder, path).relative_to(folder).parts
+    fd = os.open(folder, os.O_RDONLY | _DIRECTORY)
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        flags = os.O_RDONLY | NOFOLLOW | (os.O_NONBLOCK if last else _DIRECTORY)  # a FIFO never blocks
+        fd = _open_at(fd, part, flags, path)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NimmerError(f"path: {path!r} is not a regular file (a directory, a pipe or a device)")
+    with os.fdopen(fd, "rb") as fh:
+        return fh.read()
+
+
+def _open_at(parent: int, name: str, flags: int, path: str) -> int:
+    """``name`` opened in the directory ``parent``, which is closed here whatever happens."""
+    try:
+        return os.open(name, flags, dir_fd=parent)
+    except OSError as exc:
+        raise _refused(parent, name, path, exc) from exc
+    finally:
+        os.close(parent)
+
+
+def _refused(parent: int, name: str, path: str, exc: OSError) -> Exception:
+    """What a failed open means to the caller: O_NOFOLLOW answers a link with ELOOP (EMLINK on
+    the BSDs), or ENOTDIR where a folder was asked for, as for a plain file; lstat tells them apart."""
+    try:
+        link = stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+    except OSError:
+        link = False
+    if link or exc.errno in (errno.ELOOP, errno.EMLINK):
+        return NimmerError(
+            f"path: {path!r} goes through a symbolic link; memory files are read only from inside "
+            "the agent folder (replace the link with the file itself)"
+        )
+    if isinstance(exc, FileNotFoundError | NotADirectoryError):
+        return FileNotFoundError(exc.errno, f"path: {path!r} does not exist")
+    return NimmerError(f"path: {path!r} cannot be read ({exc.strerror})")
