@@ -109,7 +109,7 @@ def forget_uploads(pool_path: Path, ids: list[str], k: int, store: Path | None =
                 f"SELECT upload_id FROM uploads WHERE upload_id IN ({','.join('?' * len(ids))})", ids
             )
         }
-        pool.db.execute("BEGIN")
+        pool.db.execute("BEGIN IMMEDIATE")  # the service's release may write the pool meanwhile
         pool.db.executemany("INSERT OR IGNORE INTO deletions VALUES (?, ?)", [(i, day) for i in ids])
         pool.db.executemany("DELETE FROM uploads WHERE upload_id = ?", [(i,) for i in ids])
         pool.db.execute("COMMIT")

@@ -23,9 +23,10 @@ differential privacy; gating enrolment by operator-issued tokens is future work.
 which upload is held in memory only, never written down; a restarted intake waits for k new keys,
 never fewer. Nothing beside an upload names a device: the pool and the stage hold upload ids
 (random, device-chosen) and anonymised examples, in tables without a row order, dates to the
-day. Caps: examples per upload and characters per value (413), uploads staged per key (429) and
-bytes staged in all (507), upload ids per deletion request (400). The store knows enrolled keys
-(authentication needs them) and nothing else of a device. Deletion is the file intake's
+day. Caps: examples per upload and characters per value and per upload (413), uploads staged per
+key (429) and bytes staged in all (507), upload ids per deletion request (400), per key per day
+(429) and in the pool's deletions table (507); deletions run outside the stage's lock. The store
+knows enrolled keys (authentication needs them) and nothing else of a device. Deletion is the file intake's
 (``intake.forget_uploads``): the request names upload ids only, each a random uuid4 only its
 device knows (the id is the proof of ownership); the uploads leave the stage and the pool, are
 refused should they arrive again, and no later training reads them. The log is dated to the
@@ -64,17 +65,24 @@ from nimmer_train.privacy.anonymize import Upload, scrub
 log = logging.getLogger(__name__)
 
 CONSENT_TIER = "A2_anonymized"
+DAY = 86400.0
 MAX_BODY_BYTES = 2**20  # one upload is a few hundred anonymised examples at most
 RATE_LIMIT = (30, 60.0)  # requests per device per window of seconds
 POOL_FILE, LOG_FILE = "a2_pool.sqlite", "intake.log"
 MAX_EXAMPLES = 500  # examples in one upload
-MAX_VALUE_CHARS = 8000  # characters in one example's value (the contact-detail check is linear, still)
+MAX_VALUE_CHARS = 8000  # characters in one example's value
+# characters in one upload, keys and values: the contact-detail check is linear in them, so this
+# bounds the CPU one signed request can buy (a few hundred examples of dialogue fit)
+MAX_UPLOAD_CHARS = 2**18
 MAX_DELETION_IDS = 1000  # upload ids in one deletion request
+# upload ids one key may ask forgotten per window of seconds: every id not in the pool becomes a
+# row of the pool's deletions (refused should it arrive), so a key's requests cost bounded rows
+DELETION_QUOTA = (2 * MAX_DELETION_IDS, DAY)
+MAX_DELETIONS = 2_000_000  # rows of the pool's deletions table (about 100 MB): then 507
 MAX_STAGED_PER_DEVICE = 20  # uploads one enrolled key may have waiting for k keys
 MAX_STAGED_BYTES = 256 * 2**20  # the whole stage, waiting for k keys
 DEVICE_KEY_FILE = "a2_intake_key.pem"  # in the player folder, mode 0600; not the backup key
 PENDING_DIR = "a2-pending"  # uploads made but not yet delivered (sent first next time)
-DAY = 86400.0
 # how `nimmer federation a2 serve` runs uvicorn: no access log (it would name client addresses)
 SERVER_LOGGING = {"log_level": "info", "access_log": False}
 
@@ -210,7 +218,9 @@ class IntakeStore:
                 if len(self.staged_by) < self.k:
                     return 0
                 rows = self.db.execute("SELECT upload_id, examples FROM staged ORDER BY upload_id").fetchall()
-                pool.db.execute("BEGIN")  # one transaction; ids asked forgotten meanwhile are skipped
+                # one write transaction from the start (a deletion may commit meanwhile, outside
+                # the lock); ids asked forgotten by then are skipped
+                pool.db.execute("BEGIN IMMEDIATE")
                 try:
                     for upload_id, examples in rows:
                         if not pool.db.execute(
@@ -228,17 +238,55 @@ class IntakeStore:
             finally:
                 pool.close()
 
-    def forget(self, ids: list[str]) -> dict[str, Any]:
-        """Forward-only deletion of ``ids`` from the stage and the pool; the device's answer."""
+    def forget(self, ids: list[str], max_rows: int = MAX_DELETIONS) -> dict[str, Any]:
+        """Forward-only deletion of ``ids`` from the stage and the pool; the device's answer.
+        The work runs outside the store's lock (SQLite orders it against a release; ``stage``
+        prunes an id forgotten meanwhile), so uploads do not wait behind deletions. Refused
+        (507) once the pool's deletions table holds ``max_rows``."""
+        pool = A2Pool(self.pool_path, self.k)
+        try:
+            (rows,) = pool.db.execute("SELECT COUNT(*) FROM deletions").fetchone()
+        finally:
+            pool.close()
+        if rows + len(ids) > max_rows:
+            raise StageFull(
+                f"the intake's list of forgotten uploads is full ({rows} of {max_rows} ids); ask the "
+                "operator, whose `nimmer federation a2 forget` takes the request as a file",
+                507,
+            )
+        answer = forget_uploads(self.pool_path, ids, self.k, self.store_path)
+        gone = set(ids)
         with self.lock:
-            answer = forget_uploads(self.pool_path, ids, self.k, self.store_path)
-            gone = set(ids)
             self.staged_by = {a: s - gone for a, s in self.staged_by.items() if s - gone}
         answer["answered_at"] = _day(answer["answered_at"])
         return answer
 
     def close(self) -> None:
         self.db.close()
+
+
+class IdQuota:
+    """Upload ids asked forgotten per key in a sliding window, in memory: ``take`` counts a
+    request's ids whole or refuses it. A key is kept only while its window holds requests."""
+
+    def __init__(self, limit: int, window_s: float) -> None:
+        self.limit, self.window_s = limit, window_s
+        self.taken: dict[str, list[tuple[float, int]]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, key: str, n: int) -> bool:
+        with self.lock:
+            now = time.monotonic()
+            self.taken = {
+                k: kept
+                for k, v in self.taken.items()
+                if (kept := [(t, c) for t, c in v if t > now - self.window_s])
+            }
+            recent = self.taken.get(key, [])
+            if sum(c for _, c in recent) + n > self.limit:
+                return False
+            self.taken[key] = [*recent, (now, n)]
+            return True
 
 
 class _IntakeGuard(_Guard):
@@ -297,6 +345,12 @@ def parse_upload(data: dict[str, Any]) -> Upload:
             raise HTTPException(400, "every example must be an object of strings")
         if any(len(v) > MAX_VALUE_CHARS for v in ex.values()):
             raise HTTPException(413, f"an example's value holds at most {MAX_VALUE_CHARS} characters")
+    chars = sum(len(k) + len(v) for ex in examples for k, v in ex.items())
+    if chars > MAX_UPLOAD_CHARS:
+        raise HTTPException(
+            413, f"an upload holds at most {MAX_UPLOAD_CHARS} characters (keys and values), this one {chars}"
+        )
+    for ex in examples:
         if any(scrub(v, "", "") != v for v in ex.values()):
             raise HTTPException(422, "an example carries contact details (email, url, ip, phone or address)")
     return Upload(upload_id, tuple(examples))
@@ -313,9 +367,10 @@ def create_app(
     max_body: int = MAX_BODY_BYTES,
     rate: tuple[int, float] = RATE_LIMIT,
     address_rate: tuple[int, float] | None = None,
+    deletion_quota: tuple[int, float] = DELETION_QUOTA,
 ) -> FastAPI:
     app = FastAPI(title="nimmer A.2 intake")
-    limiter = RateLimiter(*rate)
+    limiter, forgetting = RateLimiter(*rate), IdQuota(*deletion_quota)
     guard = _IntakeGuard(store, max_body, rate, limiter, RateLimiter(*(address_rate or ADDRESS_RATE_LIMIT)))
 
     @app.post("/devices")
@@ -346,7 +401,7 @@ def create_app(
 
     @app.post("/deletions")
     async def deletions(request: Request) -> dict[str, Any]:
-        _, body = await guard.authenticated(request)
+        account, body = await guard.authenticated(request)
         data = _json(body, "deletion request")
         if data.get("format") != REQUEST_FORMAT:
             raise HTTPException(
@@ -360,7 +415,16 @@ def create_app(
         bad = next((i for i in ids if not _uuid(i)), None)
         if bad is not None:
             raise HTTPException(400, f"upload_ids holds {str(bad)[:64]!r}, not an upload id (a uuid)")
-        answer = await run_in_threadpool(store.forget, ids)
+        if not forgetting.take(account, len(ids)):
+            raise HTTPException(
+                429,
+                f"deletion quota: {forgetting.limit} upload ids per {forgetting.window_s:.0f} s per device "
+                "key; send the rest later, or hand the request to the operator as a file",
+            )
+        try:
+            answer = await run_in_threadpool(store.forget, ids)
+        except StageFull as exc:
+            raise HTTPException(exc.status, str(exc)) from exc
         log.info("answered a deletion request")  # no counts: they would tell one device's uploads
         return answer
 
