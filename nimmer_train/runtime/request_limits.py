@@ -6,7 +6,10 @@ Limits (:class:`ServeLimits`): the body is read up to ``max_body_bytes`` (413 pa
 must be a valid JSON Schema whose top-level properties are objects, and must compile to a grammar;
 only schemas that compiled enter the bounded :class:`SchemaCache`. ``max_tokens`` (or
 ``max_completion_tokens``) is clamped to the context left after the prompt, and a prompt that
-fills the context is a 400 naming both numbers. An optional bearer token guards every route.
+fills the context is a 400 naming both numbers. Before that count, a prompt of more characters
+than ``max_chars_per_token`` times the context is a 400 untokenized: tokenizing runs on the one
+preparation thread, so a 1 MiB prompt would hold every request behind it for about half a second.
+An optional bearer token guards every route.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ class ServeLimits:
     max_n: int = 8  # choices per request (rows of one batch)
     max_stop: int = 4  # stop strings per request, as OpenAI
     max_stop_chars: int = 64
+    # characters per token of context a prompt may have before it is tokenized (text runs 3-5;
+    # raise it for prompts of long whitespace or symbol runs, which tokenize more densely)
+    max_chars_per_token: int = 8
 
 
 class RequestError(Exception):
@@ -169,6 +175,22 @@ def requested_tokens(body: dict[str, Any]) -> int | None:
         if value is not None:
             return value
     return None
+
+
+def check_prompt_chars(messages: list[dict[str, str]], context_tokens: int, limits: ServeLimits) -> None:
+    """A 400 for a prompt too long to fit the context at ``max_chars_per_token``, before it is
+    tokenized (see the module docstring)."""
+    chars = sum(len(m["content"]) for m in messages)
+    limit = limits.max_chars_per_token * context_tokens
+    if chars > limit:
+        raise RequestError(
+            400,
+            f"messages: the prompt is {chars} characters, over this server's limit of {limit} "
+            f"({limits.max_chars_per_token} characters per token of the model's context of "
+            f"{context_tokens} tokens); shorten the messages",
+            "context_length_exceeded",
+            "messages",
+        )
 
 
 def clamp_tokens(requested: int | None, prompt_tokens: int, context_tokens: int) -> int:
@@ -362,6 +384,7 @@ def check_chat(
         raise RequestError(404, f"model {mid!r} does not exist; see /v1/models", "model_not_found", "model")
     stream, include_usage = check_stream(body)
     messages = check_messages(body, limits, special_tokens)
+    check_prompt_chars(messages, context_tokens, limits)
     knobs = check_knobs(body)
     seed = _integer(body, "seed", 0, MAX_SEED)
     requested = requested_tokens(body)
