@@ -25,8 +25,9 @@ def test_faulty_killed_federation_resumes_within_its_budget(tiny_run: Path, tmp_
     round 2: node 3 sends NaN. The server is killed after round 1 and resumes.
     Nodes 0-3 are A.1 devices (under seed 1 device 0 shares no category, so it refuses), node 4
     the A.2 pool's node (an empty pool: it trains nothing); the threshold is 1 here,
-    test_privacy_defects.py shows a higher one refusing. Since devices refuse rounds (issue 23),
-    SecAgg+'s reconstruction threshold is lowered so that two survivors of five can unmask."""
+    tests/unit/federation/test_round_release.py shows a higher one refusing. Since devices refuse
+    rounds (issue 23), SecAgg+'s reconstruction threshold is lowered so that two survivors of five
+    can unmask."""
     overrides = [
         "experiment=ci_tiny",
         "federated.seed=1",

@@ -1,7 +1,9 @@
 """The round loop releases DP-FedAvg exactly as accounted (issue 14, item 1 and "bad input and
 faults"): a dropout storm still releases with noise calibrated to q N, a round below the
 threshold releases and spends nothing, a configuration that cannot fit its budget fails before
-round 1 naming the epsilon, and a round accounted but killed before adoption is never re-run."""
+round 1 naming the epsilon, a round accounted but killed before adoption is never re-run, and a
+round over budget by its actual steps is discarded before release and the federation stays
+stopped (issue 20, item 5)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from nimmer_train.config.federated import FederatedConfig, SecAggConfig, Simulat
 from nimmer_train.federation import budget, checkpoint, rounds
 from nimmer_train.federation.mods import contribution
 from nimmer_train.federation.strategy import NoisyMean, RoundOutcome, fit_config
-from nimmer_train.federation.wire import AdapterSpec
+from nimmer_train.federation.wire import AdapterSpec, get_arrays
 from nimmer_train.privacy.accounting import BudgetExceeded, Ledger
 from nimmer_train.privacy.dp_fedavg import release_arrays
 
@@ -59,10 +61,13 @@ def test_a_dropout_storm_releases_with_noise_calibrated_to_q_n() -> None:
     assert budget.mechanism_of(SETTINGS).noise_std == pytest.approx(1.1 * 2.0 / 10)
 
 
-def _loop(ledger: Ledger, outcome: RoundOutcome, work: Path) -> rounds._RoundLoop:
+def _loop(
+    ledger: Ledger, outcome: RoundOutcome, work: Path, settings: FederatedConfig = SETTINGS
+) -> rounds._RoundLoop:
+    """A round loop whose fit round "happened" with ``outcome`` (no Flower, no nodes)."""
     return rounds._RoundLoop(
         grid=None,
-        settings=SETTINGS,
+        settings=settings,
         setup=SimpleNamespace(a2_pool=None, work=work, model=None),
         spec=SPEC,
         ledger=ledger,
@@ -118,3 +123,45 @@ def test_a_round_accounted_before_a_kill_is_never_run_again(tmp_path: Path) -> N
     assert all(np.array_equal(a, b) for a, b in zip(again.arrays(tmp_path), arrays, strict=True))
     saved = json.loads((tmp_path / checkpoint.STATE_FILE).read_text())
     assert saved["round"] == 2 and saved["pending"] is None and len(saved["ledger"]["a1"]) == 2
+
+
+def test_a_round_over_budget_by_its_actual_steps_is_discarded_and_the_federation_stays_stopped(
+    release: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Item 5: the plan assumed the A.2 rate 1/93 (93 batches); the node reports Opacus's 1/92.
+    With the budget between the two, the round is discarded before release (no arrays adopted,
+    nothing accounted), the federation stops with its reason in the state, and a restart neither
+    crashes nor runs a round (before, the BudgetExceeded escaped serve on every restart)."""
+    a1_step = (5.0, 0.1, 1)  # epsilon 0.12: the A.2 ledger is the one at the budget
+    planned, actual = (1.0, 1 / 93, 40), (1.0, 1 / 92, 40)
+    low = Ledger(1e-5).after(a1_step, [planned])["a2_record_level"]
+    high = Ledger(1e-5).after(a1_step, [actual])["a2_record_level"]
+    assert low < high
+    settings = FederatedConfig(
+        epsilon_budget=(low + high) / 2, heldout_examples=4, secagg=SecAggConfig(enabled=False)
+    )
+    ledger = Ledger(settings.delta, settings.epsilon_budget)
+    ledger.plan(a1_step, [planned])  # the round's plan fits
+    update = [np.full(shape, 0.5, np.float32) for shape in SPEC.shapes]
+    outcome = RoundOutcome(sampled=4, participants=4, accepted=True, update=update, a2_steps=[actual])
+    work = tmp_path / "rounds"
+    loop = _loop(ledger, outcome, work, settings)
+    before = [np.zeros(shape, np.float32) for shape in SPEC.shapes]
+    arrays, record, stopping = rounds._run_round(loop, 1, a1_step, before, [])
+    assert arrays is before and ledger.a1 == [] and ledger.a2 == []
+    assert not record["accepted"] and record["reason"].startswith("discarded before release")
+    assert "heldout_loss" not in record and stopping and stopping.startswith("budget")
+    # the stop goes into the state; a restarted server reads it and does not resume
+    base, adapter = release
+    setup = rounds.make_setup(base, adapter, work, settings, None)
+    work.mkdir()
+    state = checkpoint.ServerState(initial_loss=1.0, ledger={})
+    rounds._checkpoint(
+        state, SimpleNamespace(ledger=ledger, setup=setup), record, get_arrays(setup.model), stopping
+    )
+    saved = json.loads((work / checkpoint.STATE_FILE).read_text())
+    assert saved["stopped"] == stopping and saved["round"] == 1
+    for _ in range(2):
+        reported: list[dict] = []
+        again = rounds.serve(None, None, settings, setup, reported.append)  # type: ignore[arg-type]
+        assert again.stopped == stopping and again.round == 1 and reported == []

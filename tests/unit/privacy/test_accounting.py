@@ -1,5 +1,5 @@
 """Privacy accounting: matches Opacus's accountant, survives a restart, stops at the budget; the
-published epsilons hold when recomputed by a second accountant."""
+published epsilons hold when recomputed by a second accountant, and without Opacus."""
 
 from __future__ import annotations
 
@@ -7,15 +7,19 @@ import math
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
+import yaml
 from opacus.accountants import PRVAccountant, RDPAccountant
 from scipy.optimize import brentq
+from scipy.special import logsumexp
 from scipy.stats import norm
 
 from nimmer_train.config.federated import FederatedConfig, UserDPConfig
 from nimmer_train.federation.budget import count_step, mechanism_of, planned_a2, require_budget
 from nimmer_train.federation.checkpoint import ServerState
-from nimmer_train.privacy.accounting import BudgetExceeded, Ledger, Step
+from nimmer_train.privacy.accounting import BudgetExceeded, Ledger, Step, epsilon
+from tests.helpers import REPO
 from tests.helpers.compose import config
 
 
@@ -80,8 +84,32 @@ def _demo_ledger(settings: FederatedConfig, rounds: int) -> Ledger:
     return ledger
 
 
+DEMO = REPO / "conf" / "experiment" / "demo.yaml"
+
+
+def _log_moment(q: float, z: float, order: float) -> float:
+    """log E_{x ~ N(0, z^2)}[((1 - q) + q exp((2x - 1) / (2 z^2)))^order], on a fine grid."""
+    x = np.linspace(-40 * z, order + 40 * z + 1, 200_001)
+    ratio = np.logaddexp(math.log1p(-q), math.log(q) + (2 * x - 1) / (2 * z * z))
+    log_f = order * ratio - x * x / (2 * z * z) - math.log(z * math.sqrt(2 * math.pi))
+    return float(logsumexp(log_f) + math.log(x[1] - x[0]))
+
+
+def _epsilon_by_integration(z: float, q: float, rounds: int, delta: float) -> float:
+    """RDP of T sampled Gaussians, converted as Balle et al. 2020 (what Opacus uses)."""
+    orders = [1.5 + i / 20 for i in range(170)]
+    return min(
+        rounds * _log_moment(q, z, a) / (a - 1)
+        + math.log1p(-1 / a)
+        - (math.log(delta) + math.log(a)) / (a - 1)
+        for a in orders
+    )
+
+
 class TestPublishedEpsilonsRecomputed:
-    """A review of issue 20's fixes recomputed the published epsilons another way."""
+    """Reviews of issues 14 and 20 recomputed the published epsilons another way: with a second
+    accountant, and without Opacus (the sampled Gaussian's Renyi divergence integrated numerically
+    from the demo preset's N, q, z, T, delta)."""
 
     @pytest.mark.parametrize(
         "settings",
@@ -124,3 +152,14 @@ class TestPublishedEpsilonsRecomputed:
         warnings.filterwarnings("ignore")
         assert epsilon >= _prv([mechanism.step()] * settings.rounds, settings.delta) - 0.01
         require_budget(settings, Ledger(settings.delta, settings.epsilon_budget), ServerState(), True)
+
+    def test_the_demo_publishes_at_most_8_at_delta_1e_6_recomputed_without_opacus(self) -> None:
+        fed = yaml.safe_load(DEMO.read_text())["federated"]
+        user = fed["user_dp"]
+        n = user.get("population_size") or fed["simulation"]["contributors"] + 1
+        z, q, rounds, delta = user["noise_multiplier"], user["fraction_fit"], fed["rounds"], fed["delta"]
+        assert n == 10_000 and delta == pytest.approx(1e-6) and fed["epsilon_budget"] <= 8
+        mine = _epsilon_by_integration(z, q, rounds, delta)
+        ledger = epsilon([(z, q, rounds)], delta)
+        assert ledger is not None and mine <= 8.0 and ledger <= 8.0
+        assert ledger == pytest.approx(mine, abs=0.01)  # Opacus's grid of orders is a little coarser

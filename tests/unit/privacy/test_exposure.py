@@ -57,6 +57,15 @@ def test_exposure_is_log2_m_minus_log2_rank() -> None:
     assert np.mean(chance) == pytest.approx(CHANCE_BITS, abs=0.1)
 
 
+def test_exposure_is_log2_m_minus_log2_of_the_sorted_rank() -> None:
+    rng = np.random.default_rng(4)
+    reference = rng.normal(size=1024)
+    for canary in (-9.0, reference[17], np.sort(reference)[511] + 1e-9, 9.0):
+        rank = int(np.searchsorted(np.sort(reference), canary, side="left")) + 1
+        assert exposure(float(canary), reference) == pytest.approx(10 - math.log2(rank))
+    assert exposure(-9.0, reference) == pytest.approx(10.0)  # the likeliest: log2(M) bits
+
+
 def test_canaries_are_planted_as_asked_and_their_references_share_the_format() -> None:
     rng = np.random.default_rng(0)
     canaries = make_canaries(3, rng)
