@@ -21,7 +21,9 @@ keys are staged (a key counts while an upload of it is staged, not once it is fo
 keys, not people: anyone may enrol many keys, so the real protection is the pool's a2 k and
 differential privacy; gating enrolment by operator-issued tokens is future work. Which key staged
 which upload is held in memory only, never written down; a restarted intake waits for k new keys,
-never fewer. Nothing beside an upload names a device: the pool and the stage hold upload ids
+never fewer, and drops what was staged before it (no key owns it any more). Fewer than k keys
+cannot hold the stage: a key may stage a k-th of its bytes, and an upload staged longer than
+STAGE_TTL_S is dropped. Nothing beside an upload names a device: the pool and the stage hold upload ids
 (random, device-chosen) and anonymised examples, in tables without a row order, dates to the
 day. Caps: examples per upload and characters per value and per upload (413), uploads staged per
 key (429) and bytes staged in all (507), upload ids per deletion request (400), per key per day
@@ -80,7 +82,8 @@ MAX_DELETION_IDS = 1000  # upload ids in one deletion request
 DELETION_QUOTA = (2 * MAX_DELETION_IDS, DAY)
 MAX_DELETIONS = 2_000_000  # rows of the pool's deletions table (about 100 MB): then 507
 MAX_STAGED_PER_DEVICE = 20  # uploads one enrolled key may have waiting for k keys
-MAX_STAGED_BYTES = 256 * 2**20  # the whole stage, waiting for k keys
+MAX_STAGED_BYTES = 256 * 2**20  # the whole stage, waiting for k keys; one key may hold 1/k of it
+STAGE_TTL_S = 7 * DAY  # a staged upload not released by then is dropped (its key's room freed)
 DEVICE_KEY_FILE = "a2_intake_key.pem"  # in the player folder, mode 0600; not the backup key
 PENDING_DIR = "a2-pending"  # uploads made but not yet delivered (sent first next time)
 # how `nimmer federation a2 serve` runs uvicorn: no access log (it would name client addresses)
@@ -120,6 +123,7 @@ class IntakeStore:
         pool_path: Path | None = None,
         per_device: int = MAX_STAGED_PER_DEVICE,
         staged_bytes: int = MAX_STAGED_BYTES,
+        ttl_s: float = STAGE_TTL_S,
     ) -> None:
         if k < 1:
             raise NimmerError(f"the intake's k threshold must be >= 1, got {k}")
@@ -131,7 +135,12 @@ class IntakeStore:
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("PRAGMA secure_delete=ON")  # released and forgotten text leaves no bytes
         self.db.executescript(SCHEMA)
+        self.ttl_s = ttl_s
         self.staged_by: dict[str, set[str]] = {}
+        self.staged_at: dict[str, float] = {}  # upload id -> when staged (monotonic; in memory)
+        self._drop(
+            {r[0] for r in self.db.execute("SELECT upload_id FROM staged")}
+        )  # owners are not written down: after a restart no key holds these, so they expire now
         self.nonces: dict[tuple[str, str], float] = {}
         self.lock = threading.Lock()
         A2Pool(self.pool_path, k).close()  # the trainer finds a pool (empty below k) from the start
@@ -160,22 +169,58 @@ class IntakeStore:
             self.db.execute("INSERT OR IGNORE INTO devices VALUES (?, ?)", (account, public))
         return account
 
-    def _prune(self, pool: A2Pool) -> None:
-        """Drop from the stage every id asked forgotten (also by the operator's file-based
-        ``a2 forget``), and from the map every id no longer staged."""
-        staged = {r[0] for r in self.db.execute("SELECT upload_id FROM staged")}
-        gone = {
-            i
-            for i in staged
-            if pool.db.execute("SELECT 1 FROM deletions WHERE upload_id = ?", (i,)).fetchone()
-        }
+    def _drop(self, gone: set[str]) -> None:
+        """Delete ``gone`` from the stage, leaving no byte of them in the store's files."""
         if gone:
             self.db.execute("BEGIN")
             self.db.executemany("DELETE FROM staged WHERE upload_id = ?", [(i,) for i in gone])
             self.db.execute("COMMIT")
             self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def _prune(self, pool: A2Pool) -> None:
+        """Drop from the stage every id asked forgotten (also by the operator's file-based
+        ``a2 forget``) and every id staged longer than the TTL (so keys below k cannot hold the
+        stage for good), and from the maps every id no longer staged."""
+        staged = {r[0] for r in self.db.execute("SELECT upload_id FROM staged")}
+        expired = time.monotonic() - self.ttl_s
+        gone = {
+            i
+            for i in staged
+            if self.staged_at.get(i, expired) <= expired
+            or pool.db.execute("SELECT 1 FROM deletions WHERE upload_id = ?", (i,)).fetchone()
+        }
+        self._drop(gone)
         live = staged - gone
         self.staged_by = {a: ids & live for a, ids in self.staged_by.items() if ids & live}
+        self.staged_at = {i: t for i, t in self.staged_at.items() if i in live}
+
+    def _check_room(self, mine: set[str], size: int) -> None:
+        """Refuse a new upload of ``size`` bytes over its key's quotas (uploads, and bytes: a
+        k-th of the stage, so fewer than k keys cannot fill it; 429) or the stage's (507)."""
+        if len(mine) >= self.per_device:
+            raise StageFull(
+                f"this device has {len(mine)} uploads waiting for k={self.k} devices (the quota of "
+                f"{self.per_device} per device); send again once they are pooled",
+                429,
+            )
+        marks = ",".join("?" * len(mine))
+        (own,) = self.db.execute(
+            f"SELECT COALESCE(SUM(LENGTH(examples)), 0) FROM staged WHERE upload_id IN ({marks})", list(mine)
+        ).fetchone()
+        if own + size > self.staged_bytes // self.k:
+            raise StageFull(
+                f"this device's uploads waiting for k={self.k} devices would pass its quota of "
+                f"{self.staged_bytes // self.k} bytes (the stage's {self.staged_bytes} over k); send again "
+                "once they are pooled",
+                429,
+            )
+        (held,) = self.db.execute("SELECT COALESCE(SUM(LENGTH(examples)), 0) FROM staged").fetchone()
+        if held + size > self.staged_bytes:
+            raise StageFull(
+                f"the intake's stage is full (its quota of {self.staged_bytes} bytes waiting for "
+                f"k={self.k} devices); send again later",
+                507,
+            )
 
     def stage(self, account: str, upload: Upload) -> int:
         """Stage ``upload``; release the stage into the pool once uploads of k distinct enrolled
@@ -195,26 +240,13 @@ class IntakeStore:
                 mine = self.staged_by.get(account, set())
                 blob = json.dumps(upload.examples)
                 if upload.upload_id not in mine:
-                    if len(mine) >= self.per_device:
-                        raise StageFull(
-                            f"this device has {len(mine)} uploads waiting for k={self.k} devices (the quota "
-                            f"of {self.per_device} per device); send again once they are pooled",
-                            429,
-                        )
-                    (held,) = self.db.execute(
-                        "SELECT COALESCE(SUM(LENGTH(examples)), 0) FROM staged"
-                    ).fetchone()
-                    if held + len(blob) > self.staged_bytes:
-                        raise StageFull(
-                            f"the intake's stage is full (its quota of {self.staged_bytes} bytes waiting for "
-                            f"k={self.k} devices); send again later",
-                            507,
-                        )
+                    self._check_room(mine, len(blob))
                 cursor = self.db.execute(
                     "INSERT OR IGNORE INTO staged VALUES (?, ?)", (upload.upload_id, blob)
                 )
                 if cursor.rowcount == 1:  # a key counts for the uploads it staged, never for another's id
                     self.staged_by.setdefault(account, set()).add(upload.upload_id)
+                    self.staged_at[upload.upload_id] = time.monotonic()
                 if len(self.staged_by) < self.k:
                     return 0
                 rows = self.db.execute("SELECT upload_id, examples FROM staged ORDER BY upload_id").fetchall()
@@ -234,6 +266,7 @@ class IntakeStore:
                 self.db.execute("DELETE FROM staged")
                 self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
                 self.staged_by.clear()
+                self.staged_at.clear()
                 return len(rows)
             finally:
                 pool.close()
