@@ -1,5 +1,6 @@
 """The backup host as a small HTTP service (FastAPI) over a :class:`BackupStore`, and the
-device's client for it. Run it with ``uvicorn``; the embedded default keeps blobs in local files.
+device's client for it. Run it with ``backup.serving.serve(local_app(folder), host, port)`` (uvicorn
+with deadlines on slow clients); the embedded default keeps blobs in local files.
 
     POST /accounts                     body: {"public_key": base64}  -> {"account": ...} (no signature)
     PUT  /accounts/{account}/backups   body: a sealed blob            -> {"backup_id": ...}

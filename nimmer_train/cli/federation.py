@@ -81,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _a2_serve(args: argparse.Namespace) -> int:
     # heavy: the intake service's web stack (FastAPI, uvicorn) takes a fifth of a second to import
-    import uvicorn
-
+    from nimmer_train.backup.serving import serve
     from nimmer_train.federation.intake_service import LOG_FILE, SERVER_LOGGING, local_app, log_to
 
     app = local_app(args.folder, args.k, args.pool, max_body=args.max_body)
@@ -92,5 +91,5 @@ def _a2_serve(args: argparse.Namespace) -> int:
         f"A.2 intake on http://{args.host}:{args.port} (k={args.k}); the pool for training: {pool}",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, **SERVER_LOGGING)
+    serve(app, args.host, args.port, **SERVER_LOGGING)  # with deadlines on slow clients
     return 0
