@@ -68,11 +68,19 @@ def caveats(eps: dict[str, float | None]) -> dict[str, str]:
     return {k: v for k, v in found.items() if v}
 
 
-def mechanisms(settings: FederatedConfig, released_rounds: int) -> dict[str, str]:
-    """Exactly what each published epsilon covers (the model card quotes these)."""
+def a2_ran(state: ServerState) -> bool:
+    """Whether this server had an A.2 pool: a pooled DP-SGD run or the pool counts' release in its
+    ledger, or a decision on the counts (a server without a pool never makes one)."""
+    return state.pool_counts is not None or bool(state.ledger.get("a2"))
+
+
+def mechanisms(settings: FederatedConfig, released_rounds: int, a2: bool = True) -> dict[str, str]:
+    """Exactly what each published epsilon covers (the model card quotes these), from the
+    configuration that ran: no line names a mechanism that did not (``a2``: the server had an
+    A.2 pool; on-device DP-SGD only with ``local_dp.on_devices``)."""
     s, user, local = settings, settings.user_dp, settings.local_dp
     std_count = 1 / A1_INDICATOR_SHARE * user.noise_multiplier
-    return {
+    found = {
         "epsilon_a1_user_level": (
             "user-level (one player's whole contribution): DP-FedAvg, the Gaussian mechanism on the sum "
             "of the nodes' contributions (adapter update and A.1 indicator, clipped together to L2 norm "
@@ -90,12 +98,34 @@ def mechanisms(settings: FederatedConfig, released_rounds: int) -> dict[str, str
             f"{s.local.steps} steps per round, every A.2 run of every released round) and the "
             f"noised pool counts (Gaussian, noise multiplier {s.a2.count_noise_multiplier:g}, sensitivity "
             "sqrt(2)). Opacus RDP accountant"
+            if a2
+            else "nothing: this server had no A.2 pool (no A.2 training, no pool counts released)"
         ),
-        "local_dp_a1_devices": (
-            f"each A.1 device's own record-level DP-SGD (noise multiplier {local.noise_multiplier:g}) "
-            "is accounted on the device only and not published"
+        "secure_aggregation": (
+            "SecAgg+ (Flower): nodes send masked contributions and the server unmasks only their sum "
+            "(its trust assumption: docs/privacy.md)"
+            if s.secagg.enabled
+            else "none (federated.secagg.enabled=false): the server saw each node's clipped "
+            "contribution, its A.1 indicator included"
         ),
     }
+    if local.on_devices:
+        found["local_dp_a1_devices"] = (
+            f"each A.1 device's own record-level DP-SGD (noise multiplier {local.noise_multiplier:g}) "
+            "is accounted on the device only and not published"
+        )
+    return found
+
+
+def a1_mechanism(settings: FederatedConfig) -> str:
+    """The A.1 tier's pipeline as it ran: each step only where its setting turned it on."""
+    parts = [
+        "on-device DP-SGD" if settings.local_dp.on_devices else "plain local SGD on the devices",
+        "client-side clipping",
+        *(["SecAgg+"] if settings.secagg.enabled else []),
+        "server Gaussian noise" if settings.user_dp.noise_multiplier > 0 else "no server noise (z = 0)",
+    ]
+    return ", ".join(parts)
 
 
 def _noised_count(value: float | None) -> int:
@@ -108,10 +138,11 @@ def contributed_data(settings: FederatedConfig, state: ServerState) -> dict[str,
     a1_per_round = [r["a1_contributions_noised"] for r in accepted]
     pool = state.pool_counts or {"released": False, "reason": "no A.2 pool on this server"}
     eps = epsilons(settings, state)
+    a2 = a2_ran(state)
     return {
         "tiers": {
             "A1_federated": {
-                "mechanism": "on-device DP-SGD, client-side clipping, SecAgg+, server Gaussian noise",
+                "mechanism": a1_mechanism(settings),
                 "guarantee": "none" if settings.no_privacy else "user-level",
                 "contributions_per_round_noised": [round(v, 2) for v in a1_per_round],
                 "contributors_noised": _noised_count(max(a1_per_round, default=None)),
@@ -119,7 +150,11 @@ def contributed_data(settings: FederatedConfig, state: ServerState) -> dict[str,
                 "epsilon": eps["a1_user_level"],
             },
             "A2_anonymized": {
-                "mechanism": "on-device anonymisation, k-threshold intake, central DP-SGD",
+                "mechanism": (
+                    "on-device anonymisation, k-threshold intake, central DP-SGD"
+                    if a2
+                    else "none: no A.2 pool on this server"
+                ),
                 "guarantee": "none" if settings.no_privacy else "record-level",
                 "uploads_noised": _noised_count(pool["uploads"]) if pool["released"] else None,
                 "k": settings.a2.k,
@@ -146,7 +181,7 @@ def contributed_data(settings: FederatedConfig, state: ServerState) -> dict[str,
         # a caveat leads the text of an epsilon that bounds nothing: the model card quotes it
         "mechanisms": {
             k: f"{caveats(eps)[k]}. {text}" if k in caveats(eps) else text
-            for k, text in mechanisms(settings, len(accepted)).items()
+            for k, text in mechanisms(settings, len(accepted), a2).items()
         },
         "caveats": caveats(eps),
         "no_privacy": settings.no_privacy,
@@ -160,7 +195,10 @@ def contributed_data(settings: FederatedConfig, state: ServerState) -> dict[str,
         "clipping_norm": settings.user_dp.clipping_norm,
         "sampling_rate": settings.user_dp.fraction_fit,
         "min_participants": settings.min_participants,
+        "secure_aggregation": settings.secagg.enabled,
+        "a2_pool": a2,
         "local_dp": {
+            "on_devices": settings.local_dp.on_devices,
             "noise_multiplier": settings.local_dp.noise_multiplier,
             "max_grad_norm": settings.local_dp.max_grad_norm,
             "steps_per_round": settings.local.steps,
@@ -181,6 +219,7 @@ def render_card(fp: str, register: str, data: dict[str, Any]) -> str:
     cats = a2["data_categories_noised"]
     cats_text = ", ".join(f"{k} ~{v}" for k, v in cats.items()) if cats is not None else "not released"
     local = data["local_dp"]
+    masked = "masked " if data.get("secure_aggregation", True) else ""
     no_privacy = data["no_privacy"]
     uploads = f"~{a2['uploads_noised']}" if a2["uploads_noised"] is not None else "not released"
     rows = [
@@ -205,10 +244,15 @@ def render_card(fp: str, register: str, data: dict[str, Any]) -> str:
         f"- **Noised figures**: {data['noised_figures']}",
         f"- **A.1**: {a1['mechanism']}. Noise multiplier {data['noise_multiplier']}, clipping norm "
         f"{data['clipping_norm']}, sampling rate {data['sampling_rate']}. A round is released only when at "
-        f"least {data['min_participants']} real A.1 updates are in the masked sum (counted exactly, inside "
-        "it, by the server: see docs/privacy.md).",
-        f"- **A.2**: {a2['mechanism']}. DP-SGD noise multiplier {local['noise_multiplier']}, "
-        f"{local['steps_per_round']} steps per round.",
+        f"least {data['min_participants']} real A.1 updates are in the {masked}sum (counted exactly, "
+        "inside it, by the server: see docs/privacy.md).",
+        f"- **A.2**: {a2['mechanism']}."
+        + (
+            f" DP-SGD noise multiplier {local['noise_multiplier']}, "
+            f"{local['steps_per_round']} steps per round."
+            if data.get("a2_pool", True)
+            else ""
+        ),
         f"- **Data categories**: eligible {', '.join(data['eligible_categories'])}; never "
         f"{', '.join(data['never_shared'])}. A.1: {a1['data_categories']}. A.2 pool (noised): {cats_text}.",
         f"- **Epsilon A.1** covers {data['mechanisms']['epsilon_a1_user_level']}.",

@@ -109,12 +109,18 @@ def render(manifest: dict[str, Any], license_: str) -> str:
         "## Privacy",
         "",
         *_privacy_lines(manifest, privacy),
-        "- Contributor ids are not part of this card and the server never learns them (SecAgg+ hides "
-        "who contributed); player ids never reach the server. Never-shared data categories "
+        "- Contributor ids are not part of this card and the server never learns them; player ids never "
+        f"reach the server.{_secagg_sentence(privacy)} Never-shared data categories "
         f"({', '.join(privacy['never_shared'])}) are never used.",
         "",
     ]
     return "\n".join(lines)
+
+
+def _secagg_sentence(privacy: dict[str, Any]) -> str:
+    """Secure aggregation as the federation ran it (its own wording); nothing when it did not say."""
+    said = (privacy.get("mechanisms") or {}).get("secure_aggregation")
+    return f" Secure aggregation: {said}." if said else ""
 
 
 def _privacy_lines(manifest: dict[str, Any], privacy: dict[str, Any]) -> list[str]:
