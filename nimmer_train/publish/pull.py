@@ -14,7 +14,10 @@ not match is deleted from the staging folder, so the next pull fetches it afresh
 
 A mirror is not trusted beyond the signature: the signed label must be the one the source names,
 a pull never moves an alias to an older version than it names now (``allow_downgrade`` to roll
-back on purpose) and never moves ``candidate``; replies must not be content-encoded. The staging
+back on purpose) and never moves ``candidate``; replies must not be content-encoded; redirects are
+followed only within the source's origin (scheme, host and port), so a mirror cannot make the
+device send a request anywhere else before the signature check; a manifest or signature that is
+not JSON, or nested deeper than the parser goes, is an error naming the file. The staging
 folder is the pull's own: a symlink in it is refused, files the manifest does not list are
 deleted before fetching, and what was verified is checked unchanged under the lock before the
 rename. A version already registered here is verified before its alias moves; one that fails is
@@ -31,6 +34,8 @@ import shutil
 import sqlite3
 import stat
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -58,6 +63,7 @@ PULLS = ".pulls"  # releases/.pulls/<label>-<manifest sha[:16]>/: pulls in progr
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest or signature larger than this is refused unread
 CHUNK = 1 << 20
 IDENTITY = {"Accept-Encoding": "identity"}  # bytes as signed: no decompression (no gzip bomb)
+MAX_REDIRECTS = 5  # within the source's origin only
 
 
 class PullError(NimmerError):
@@ -89,7 +95,7 @@ class Source:
         self.location = location
         self.http = location.startswith(("http://", "https://"))
         if self.http:
-            self.client = client or httpx.Client(timeout=timeout_s, follow_redirects=True)
+            self.client = client or httpx.Client(timeout=timeout_s, follow_redirects=False)
             self.root, self.name = location.rsplit("/", 1)
         else:
             folder = Path(location.removeprefix("file://")).expanduser()
@@ -118,7 +124,7 @@ class Source:
                 raise IntegrityError(f"{where} is larger than {MAX_MANIFEST_BYTES} bytes; refused")
             return path.read_bytes()
         try:
-            with self.client.stream("GET", where, headers=IDENTITY) as reply:
+            with _get(self.client, where, IDENTITY) as reply:
                 if reply.status_code != 200:
                     raise PullError(
                         f"GET {where}: HTTP {reply.status_code}; is {self.location} a version URL?"
@@ -179,7 +185,7 @@ class Source:
         headers = {**IDENTITY, "Range": f"bytes={have}-"} if have else IDENTITY
         fetched = 0
         try:
-            with self.client.stream("GET", where, headers=headers) as reply:
+            with _get(self.client, where, headers) as reply:
                 _plain(reply, where)
                 if reply.status_code == 200:  # the server ignored the Range: start over
                     have, mode = 0, "wb"
@@ -211,6 +217,31 @@ class Source:
                 f"GET {where} ended after {have + fetched} of {size} bytes; run the same pull again"
             )
         return fetched, have
+
+
+@contextmanager
+def _get(client: httpx.Client, where: str, headers: dict[str, str]) -> Iterator[httpx.Response]:
+    """GET ``where`` (streamed), following at most :data:`MAX_REDIRECTS` redirects and only
+    within its origin: a redirect elsewhere is refused unrequested (whatever the client's own
+    ``follow_redirects``)."""
+    url = start = httpx.URL(where)
+    for _ in range(MAX_REDIRECTS + 1):
+        with client.stream("GET", url, headers=headers, follow_redirects=False) as reply:
+            if not reply.is_redirect:
+                yield reply
+                return
+            try:
+                target = url.join(reply.headers["location"])
+            except httpx.InvalidURL as exc:
+                raise PullError(f"GET {where}: the mirror redirects to a bad URL ({exc}); refused") from exc
+        if (target.scheme, target.host, target.port) != (start.scheme, start.host, start.port):
+            raise PullError(
+                f"GET {where}: the mirror redirects to {target}, another origin than "
+                f"{start.scheme}://{start.netloc.decode()}; a pull follows redirects only within the "
+                "source's origin, so nothing was requested there: pull from the final URL if you trust it"
+            )
+        url = target
+    raise PullError(f"GET {where}: more than {MAX_REDIRECTS} redirects; refused")
 
 
 def _plain(reply: httpx.Response, where: str) -> None:
@@ -415,12 +446,23 @@ def _signed_manifest(source: Source, keyring: Keyring) -> tuple[bytes, bytes, st
     signature checked before any other byte is fetched."""
     raw = source.read(MANIFEST)
     sig_raw = source.read(SIGNATURE)
-    try:
-        signature = json.loads(sig_raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{source.where(SIGNATURE)} is not readable JSON ({exc})") from exc
+    signature = _json(sig_raw, source.where(SIGNATURE))
     key_id = keyring.verify(raw, signature, source.where(MANIFEST))  # before any other byte
-    return raw, sig_raw, key_id, json.loads(raw)
+    return raw, sig_raw, key_id, _json(raw, source.where(MANIFEST))
+
+
+def _json(data: bytes, where: str) -> Any:
+    """``data`` parsed, or :class:`IntegrityError` naming ``where`` (not JSON, not UTF-8, or
+    nested deeper than the parser's recursion limit)."""
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{where} is not readable JSON ({exc}); refused before any other fetch") from exc
+    except RecursionError as exc:
+        raise IntegrityError(
+            f"{where} is nested deeper than a JSON parser goes; a signature or manifest is a flat "
+            "object: refused before any other fetch"
+        ) from exc
 
 
 def _needs_repair(releases: Path, label: str, keyring: Keyring, recorded: str, digest: str) -> bool:
