@@ -68,5 +68,6 @@ def test_each_package_entry_lists_exactly_its_modules() -> None:
             continue
         have, listed = _modules(name.rstrip("/")), _listed(text)
         if have != listed:
-            wrong.append(f"{name}: not listed {sorted(have - listed)}, listed but absent {sorted(listed - have)}")
+            missing, absent = sorted(have - listed), sorted(listed - have)
+            wrong.append(f"{name}: not listed {missing}, listed but absent {absent}")
     assert not wrong, "README Layout out of step with nimmer_train/:\n" + "\n".join(wrong)
