@@ -18,6 +18,7 @@ which Flower needs to know the keys, is generated from these dataclasses by
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields
@@ -406,6 +407,10 @@ class PrivacySweepConfig:
     evaluate_every: int = 5  # held-out loss every k rounds (and after the last)
     goal_share: float = 0.9  # of the non-private held-out loss gain
     goal_cells: list[str] = field(default_factory=lambda: ["8@10000", "3@100000"])  # epsilon@N
+    # cells whose noise swamps the update: each must score below goal_share, or the table could not
+    # show a failure (issue 43); run where N is one of the populations. 0.2 is about the smallest
+    # epsilon Opacus's RDP accountant reaches (z = 7.7 at q = 0.1, T = 10: 3.6x epsilon 1's noise)
+    control_cells: list[str] = field(default_factory=lambda: ["0.2@1000"])
 
     def __post_init__(self) -> None:
         if not self.epsilons or any(e <= 0 for e in self.epsilons):
@@ -420,3 +425,13 @@ class PrivacySweepConfig:
             raise ConfigError("privacy_sweep.rounds", "must be >= 1")
         if self.seeds < 1:
             raise ConfigError("privacy_sweep.seeds", "must be >= 1 (runs per cell)")
+        for spec in self.control_cells:
+            eps, _, n = spec.partition("@")
+            try:
+                ok = 0 < float(eps) < math.inf and int(n) >= 2
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ConfigError(
+                    "privacy_sweep.control_cells", f"{spec!r}: write epsilon@N (a finite epsilon > 0, N >= 2)"
+                )

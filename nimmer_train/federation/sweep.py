@@ -9,9 +9,21 @@ z is calibrated so that the T rounds spend exactly the cell's epsilon at delta (
 Each cell runs ``seeds`` times. Seed k of every cell of one N draws its cohorts and noise from
 the same generator ``(seed, N, k)``, so the cells of a row see the same cohorts (paired
 comparisons); the population and the held-out set stay the same across seeds. Utility is the
-held-out loss gain (loss before - after); a run's share is its gain over the non-private gain of
-the same N and seed, and a cell reports the mean share over its seeds with the spread (sd, min
-and max). The goals are judged on the mean.
+held-out loss gain (loss before - after).
+
+Noise alone can lower the held-out loss of a small, near-chance model (issue 43: 3 of 3 draws),
+so a private cell's gain is not all learning. Each private run therefore has a noise-only arm:
+the very noise vectors the run released (its generator replayed, :func:`noise_only_gain`) added to
+the unchanged start adapter, a zero update. A run's ``share`` is the gain its contributors added
+beyond what that noise alone gave, over the non-private gain of the same N and seed:
+``(gain - max(noise-only gain, 0)) / non-private gain``. A noise that helps is not credited to
+the contributors; a noise that hurts is not subtracted (the published model carries the harm, so
+the raw share stands: crediting the recovery, as ``(gain - noise) / (non-private - noise)`` would,
+lets a cell whose noise wrecks the adapter pass). ``share_raw`` is the plain gain over the
+non-private gain. A cell reports the mean share over its seeds with the spread (sd, min and
+max). The goals are judged on the mean, and every ``control_cells`` cell (an epsilon so small that
+the noise swamps the update) must fall below the goal: a table that cannot show a failure shows
+nothing (:func:`controls_failed`).
 
 Resumable per (cell, seed): each run writes ``result.json`` when done (a rerun skips it) and
 checkpoints every round (a killed run resumes after its last released round, never spending a
@@ -33,10 +45,11 @@ import numpy as np
 
 from nimmer_train.artifacts import write_json_atomic
 from nimmer_train.config.federated import FederatedConfig, PrivacySweepConfig
+from nimmer_train.federation.budget import mechanism_of
 from nimmer_train.federation.population import build_population
-from nimmer_train.federation.simulator import Simulator
+from nimmer_train.federation.simulator import SimulationState, Simulator
 from nimmer_train.memory.embedding import Embedder
-from nimmer_train.privacy.dp_fedavg import noise_multiplier_for
+from nimmer_train.privacy.dp_fedavg import noise_multiplier_for, poisson_cohort, release_arrays
 
 RESULT = "result.json"
 TABLE = "privacy_utility.md"
@@ -94,12 +107,8 @@ def run_cell(
     if done.exists():
         return json.loads(done.read_text())
     started = time.monotonic()
-    state = simulator.run(
-        settings,
-        work,
-        np.random.default_rng([sweep.seed, cell.population, seed]),
-        evaluate_every=sweep.evaluate_every,
-    )
+    state = simulator.run(settings, work, cell_rng(sweep, cell, seed), evaluate_every=sweep.evaluate_every)
+    noise_only = noise_only_gain(simulator, settings, state, cell_rng(sweep, cell, seed))
     released = [r for r in state.records if r.get("accepted")]
     after = state.records[-1]["heldout_loss"]
     row = {
@@ -119,6 +128,7 @@ def run_cell(
         "heldout_loss_before": state.initial_loss,
         "heldout_loss_after": after,
         "gain": state.initial_loss - after,
+        "noise_only_gain": noise_only,
         "curve": [(r["round"], r["heldout_loss"]) for r in state.records if "heldout_loss" in r],
         "seconds": state.seconds
         if time.monotonic() - started > state.seconds
@@ -127,6 +137,54 @@ def run_cell(
     }
     write_json_atomic(done, row)
     return row
+
+
+def cell_rng(sweep: PrivacySweepConfig, cell: Cell, seed: int) -> np.random.Generator:
+    """The generator of seed ``seed`` of every cell of one N: the row's cells share cohorts."""
+    return np.random.default_rng([sweep.seed, cell.population, seed])
+
+
+def noise_only_arrays(
+    simulator: Simulator, settings: FederatedConfig, state: SimulationState, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """The start adapter plus the noise the run ``state`` released, and nothing else: ``rng`` (a
+    fresh copy of the run's generator) replayed as the simulator draws from it (each round's
+    cohort, then a released round's noise over the update and the A.1 indicator), each released
+    round's noise / (q N) added to a zero update."""
+    mechanism = mechanism_of(settings)
+    arrays = [a.copy() for a in simulator.start]
+    zeros = [np.zeros(a.shape, np.float64) for a in arrays] + [np.zeros(1)]
+    for record in state.records:
+        if "sampled" not in record:  # a round killed before adoption drew nothing here
+            continue
+        poisson_cohort(mechanism.population, mechanism.sample_rate, rng)
+        if record.get("accepted"):
+            *noise, _ = release_arrays(zeros, mechanism, rng)
+            arrays = [a + n.astype(np.float32) for a, n in zip(arrays, noise, strict=True)]
+    return arrays
+
+
+def noise_only_gain(
+    simulator: Simulator, settings: FederatedConfig, state: SimulationState, rng: np.random.Generator
+) -> float:
+    """The held-out loss gain of the run's noise alone (:func:`noise_only_arrays`); 0 without noise."""
+    if settings.user_dp.noise_multiplier == 0:
+        return 0.0
+    assert state.initial_loss is not None  # the run evaluated its start
+    return state.initial_loss - simulator.evaluate(noise_only_arrays(simulator, settings, state, rng))
+
+
+def _row_cells(sweep: PrivacySweepConfig, n: int) -> list[Cell]:
+    """The cells of population ``n``: the epsilons, its control cells, the non-private reference."""
+    epsilons = list(sweep.epsilons)
+    for spec in sweep.control_cells:
+        eps, at = spec.split("@")
+        if int(at) == n and float(eps) not in epsilons:
+            epsilons.append(float(eps))
+    cells = [Cell(e, n) for e in epsilons]
+    if not any(math.isinf(c.epsilon) for c in cells):
+        cells.append(Cell(float("inf"), n))  # the reference of the row's shares
+    return cells
 
 
 def run_sweep(
@@ -144,9 +202,7 @@ def run_sweep(
     runs: list[dict[str, Any]] = []
     simulator: Simulator | None = None
     for n in sweep.populations:
-        cells = [Cell(e, n) for e in sweep.epsilons]
-        if not any(math.isinf(c.epsilon) for c in cells):
-            cells.append(Cell(float("inf"), n))  # the reference of the row's shares
+        cells = _row_cells(sweep, n)
         first = cell_settings(base, sweep, cells[0])
         population = build_population(root / f"population-N{n}", first, embedder)
         if simulator is None:
@@ -162,21 +218,24 @@ def run_sweep(
 
 
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per cell (in the runs' first order): the mechanism, the mean held-out losses and
-    gain, and the share of the non-private gain (each run's gain over the non-private run of the
-    same N and seed; None where that gain is not positive): ``share`` the mean over the
-    ``share_seeds`` seeds that have one, ``share_sd`` (sample sd; 0 for one seed), ``share_min``,
-    ``share_max``; the runs themselves under ``runs``."""
+    """One row per cell (in the runs' first order): the mechanism, the mean held-out losses, gain
+    and noise-only gain, and the share of the non-private gain net of the noise-only gain (each
+    run's against the non-private run of the same N and seed, :func:`net_share`; None where that
+    gain is not positive): ``share`` the mean over the ``share_seeds`` seeds that have one,
+    ``share_sd`` (sample sd; 0 for one seed), ``share_min``, ``share_max``, ``share_raw`` (the
+    mean of gain / non-private gain); the runs themselves under ``runs``."""
     reference = {(r["population"], r["seed"]): r["gain"] for r in runs if r["epsilon"] is None}
     cells: dict[tuple[float | None, int], list[dict[str, Any]]] = {}
     for r in runs:
         ref = reference.get((r["population"], r["seed"]))
-        share = r["gain"] / ref if ref and ref > 0 else None
-        cells.setdefault((r["epsilon"], r["population"]), []).append({**r, "share": share})
+        share, raw = (net_share(r, ref), r["gain"] / ref) if ref and ref > 0 else (None, None)
+        cells.setdefault((r["epsilon"], r["population"]), []).append({**r, "share": share, "share_raw": raw})
     rows = []
     for group in cells.values():
         shares = [r["share"] for r in group if r["share"] is not None]
+        raws = [r["share_raw"] for r in group if r["share_raw"] is not None]
         gains = [r["gain"] for r in group]
+        noise_only = [r["noise_only_gain"] for r in group if r.get("noise_only_gain") is not None]
         mechanism = {k: group[0][k] for k in MECHANISM}
         spent = [r["epsilon_spent"] for r in group if r["epsilon_spent"] is not None]
         mechanism["epsilon_spent"] = max(spent) if spent else None  # a seed may release fewer rounds
@@ -188,6 +247,8 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "heldout_loss_after": float(np.mean([r["heldout_loss_after"] for r in group])),
                 "gain": float(np.mean(gains)),
                 "gain_sd": _sd(gains),
+                "noise_only_gain": float(np.mean(noise_only)) if noise_only else None,
+                "share_raw": float(np.mean(raws)) if raws else None,
                 "share_seeds": len(shares),  # the seeds the share is taken over
                 "share": float(np.mean(shares)) if shares else None,
                 "share_sd": _sd(shares) if shares else None,
@@ -212,6 +273,14 @@ MECHANISM = (
 )
 
 
+def net_share(run: dict[str, Any], reference_gain: float) -> float:
+    """The run's gain beyond what its noise alone gave (a noise that helped is not the
+    contributors'; one that hurt stays in), over the non-private gain. A run without a noise-only
+    arm (a result written before it) counts its whole gain."""
+    noise = run.get("noise_only_gain") or 0.0
+    return (run["gain"] - max(noise, 0.0)) / reference_gain
+
+
 def _sd(values: list[float]) -> float:
     return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
@@ -226,15 +295,24 @@ def goal_met(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> dict[str,
     return out
 
 
+def controls_failed(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> dict[str, bool | None]:
+    """Each control cell: True when its mean share fell below goal_share, as it must (False: the
+    table could not show a failure; None: not run, or no share)."""
+    out: dict[str, bool | None] = {}
+    for spec, met in goal_met(rows, dataclasses.replace(sweep, goal_cells=list(sweep.control_cells))).items():
+        out[spec] = None if met is None else not met
+    return out
+
+
 def table(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> str:
     """The privacy-utility table as Markdown: one line per cell (means over its seeds, the share's
-    sd and range over the seeds that have one), goals marked on the mean; a cell says how many
-    seeds its share is the mean of, and how many had none (their non-private gain was <= 0)."""
-    goals = {tuple(g.split("@")) for g in sweep.goal_cells}
+    sd and range over the seeds that have one), goals and controls marked on the mean; a cell says
+    how many seeds its share is the mean of, and how many had none (their non-private gain was <= 0)."""
     lines = [
         f"| epsilon (delta={sweep.delta:g}) | N | q | z | z/(qN) | held-out loss before -> after (mean) | "
-        "gain (mean ± sd) | share of non-private gain: mean ± sd [min, max] | seeds | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "gain (mean ± sd) | noise-only gain (mean) | share of non-private gain, net of the noise-only "
+        "gain: mean ± sd [min, max] | seeds | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         eps = "inf (no DP)" if r["epsilon"] is None else f"{r['epsilon']:g}"
@@ -248,14 +326,8 @@ def table(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> str:
                 f"{100 * r['share']:.1f} % ± {100 * r['share_sd']:.1f} "
                 f"[{100 * r['share_min']:.1f}, {100 * r['share_max']:.1f}]"
             )
-            notes = []
-            goal = r["epsilon"] is not None and (f"{r['epsilon']:g}", str(r["population"])) in goals
-            if goal:
-                verdict = (
-                    "met" if r["share"] >= sweep.goal_share else f"{100 * sweep.goal_share:.0f} % NOT met"
-                )
-                notes.append(f"goal {verdict}")
-            if goal or dropped:
+            notes = _verdicts(r, sweep)
+            if notes or dropped:
                 notes.append(f"mean of {taken} seed{_s(taken)}")
             if dropped:
                 notes.append(without)
@@ -265,9 +337,34 @@ def table(rows: list[dict[str, Any]], sweep: PrivacySweepConfig) -> str:
             f"| {eps} | {r['population']:,} | {r['sample_rate']:.2g} | {r['noise_multiplier']:.3f} | "
             f"{r['noise_std_over_clip']:.2e} | "
             f"{r['heldout_loss_before']:.4f} -> {r['heldout_loss_after']:.4f} | "
-            f"{r['gain']:.4f} ± {r['gain_sd']:.4f} | {share} | {seeds} | {r['seconds']:.0f} |"
+            f"{r['gain']:.4f} ± {r['gain_sd']:.4f} | {_figure(r.get('noise_only_gain'))} | {share} | "
+            f"{seeds} | {r['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _verdicts(row: dict[str, Any], sweep: PrivacySweepConfig) -> list[str]:
+    """A goal cell's verdict and a control cell's (it must fall below the goal) on the mean share."""
+    if row["epsilon"] is None:
+        return []
+    cell = f"{row['epsilon']:g}@{row['population']}"
+    spec = {f"{float(e):g}@{n}" for e, n in (g.split("@") for g in sweep.goal_cells)}
+    controls = {f"{float(e):g}@{n}" for e, n in (g.split("@") for g in sweep.control_cells)}
+    goal, met = f"{100 * sweep.goal_share:.0f} %", row["share"] >= sweep.goal_share
+    notes = []
+    if cell in spec:
+        notes.append("goal met" if met else f"goal {goal} NOT met")
+    if cell in controls:
+        notes.append(
+            f"control: below {goal}, as it must be"
+            if not met
+            else f"CONTROL NOT BELOW {goal}: this table cannot show a failure"
+        )
+    return notes
+
+
+def _figure(value: float | None) -> str:
+    return "—" if value is None else f"{value:.4f}"
 
 
 def _s(count: int) -> str:
@@ -323,21 +420,23 @@ def content_identity(folder: Path) -> dict[str, str]:
 def sweep_fingerprint(cfg: Any, base_dir: Path, adapter_dir: Path) -> str:
     """The output folder's fingerprint: the base's and the start adapter's content
     (:func:`content_identity`), the federated recipe and the sweep's cells. It leaves out what
-    does not change a run's result: ``seeds`` (more seeds extend a sweep: its finished (cell,
-    seed) runs stay where they are), ``goal_share`` and ``goal_cells`` (how the table judges)."""
+    does not change a run's result: ``seeds`` and ``control_cells`` (more seeds or cells extend a
+    sweep: its finished (cell, seed) runs stay where they are), ``goal_share`` and ``goal_cells``
+    (how the table judges)."""
     from nimmer_train.artifacts import fingerprint
 
     return fingerprint(
         {
-            # 3: the base and adapter by content; the held-out set in its own seed namespace
-            "version": 3,
+            # 3: the base and adapter by content; the held-out set in its own seed namespace;
+            # 4: each private run's noise-only arm (a result.json of 3 has none)
+            "version": 4,
             "base": content_identity(base_dir),
             "adapter": content_identity(adapter_dir),
             "federated": dataclasses.asdict(cfg.federated),
             "sweep": {
                 k: v
                 for k, v in dataclasses.asdict(cfg.privacy_sweep).items()
-                if k not in ("goal_cells", "goal_share", "seeds")
+                if k not in ("goal_cells", "goal_share", "seeds", "control_cells")
             },
         }
     )
@@ -406,14 +505,20 @@ def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any
                 mlflow.log_metrics(
                     {
                         f"{k}_eps{eps}_N{row['population']}_seed{row['seed']}": float(row[k])
-                        for k in ("gain", "seconds", "noise_multiplier")
+                        for k in ("gain", "noise_only_gain", "seconds", "noise_multiplier")
                     }
                 )
 
         rows = run_sweep(base_dir, adapter_dir, cfg.federated, sweep, root, SketchEmbedder(), log)
-        goals = goal_met(rows, sweep)
-        judged = {"seeds": sweep.seeds, "goal_share": sweep.goal_share, "goal_cells": list(sweep.goal_cells)}
-        write_json_atomic(root / "privacy_utility.json", {"rows": rows, "goals": goals, **judged})
+        goals, controls = goal_met(rows, sweep), controls_failed(rows, sweep)
+        judged = {
+            "seeds": sweep.seeds,
+            "goal_share": sweep.goal_share,
+            "goal_cells": list(sweep.goal_cells),
+            "control_cells": list(sweep.control_cells),
+        }
+        summary = {"rows": rows, "goals": goals, "controls_below_goal": controls, **judged}
+        write_json_atomic(root / "privacy_utility.json", summary)
         (root / TABLE).write_text(table(rows, sweep))
         plot(rows, root / PLOT)
         if run_id:
@@ -426,7 +531,7 @@ def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any
     print(table(rows, sweep))
     print(
         f"goals (mean share over the seeds whose non-private gain is positive, of {sweep.seeds}, "
-        f">= {100 * sweep.goal_share:.0f} %): {goals}"
+        f">= {100 * sweep.goal_share:.0f} %): {goals}; controls below it, as they must be: {controls}"
     )
     print(f"outputs: {root}")
     return rows
