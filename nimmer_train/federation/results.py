@@ -9,12 +9,12 @@ Which figures are noised, and by which accounted mechanism:
   (the largest, rounded, at least 0);
 - the A.2 pool's uploads and examples per data category: Gaussian noise of std
   count_noise_multiplier * sqrt(2), one step of the A.2 record-level ledger.
-Exact figures are the settings and the rounds run and released. The round records
-(``rounds.json``, the operator's MLflow round metrics) also hold the operator's own observations
-of its nodes: sampled, participants, dropped and reply sizes. They are exact, they stay with the
-operator (no version's manifest or card carries them), and they are not covered by the epsilon:
-a node that refuses a round (consent revoked, opt-out or A.2) shows as a dropout, so the operator
-learns that a pseudonymous node did not train that round, never who plays on it."""
+Exact figures are the settings and the rounds run and released. The server's own observations
+of its nodes (sampled, available, participants, dropped, rejected, reply sizes) are exact and no
+epsilon covers them: they stay in its private checkpoint (``state.json``) and never reach
+``rounds.json``, MLflow or a log line (:func:`public_record`). A node that refuses a round (consent
+revoked, opt-out or A.2) shows there as a dropout: the server learns that a pseudonymous node did
+not train that round, never who plays on it."""
 
 from __future__ import annotations
 
@@ -126,6 +126,27 @@ def a1_mechanism(settings: FederatedConfig) -> str:
         "server Gaussian noise" if settings.user_dp.noise_multiplier > 0 else "no server noise (z = 0)",
     ]
     return ", ".join(parts)
+
+
+# what a published round record holds beside the mechanism's settings (Mechanism.describe):
+# the released, noised figures and the epsilons; never an exact node count (issue 43)
+PUBLIC_ROUND_KEYS = (
+    "round",
+    "accepted",
+    "reason",
+    "a1_contributions_noised",
+    "heldout_loss",
+    "epsilon_a1_user_level",
+    "epsilon_a2_record_level",
+    "update_bytes",  # the adapter's size: public
+)
+
+
+def public_record(record: dict[str, Any], settings: FederatedConfig) -> dict[str, Any]:
+    """A round record as it may leave the server (``rounds.json``, MLflow): only what an epsilon
+    covers or the public settings fix; the exact node counts stay in the server's state."""
+    keep = {*PUBLIC_ROUND_KEYS, *mechanism_of(settings).describe()}
+    return {k: v for k, v in record.items() if k in keep}
 
 
 def _noised_count(value: float | None) -> int:
@@ -345,7 +366,7 @@ def publish_federated(
         model.save_pretrained(staging)
         (staging / README).unlink(missing_ok=True)
         write_json_atomic(staging / METADATA, meta)
-        write_json_atomic(staging / ROUNDS, state.records)
+        write_json_atomic(staging / ROUNDS, [public_record(r, settings) for r in state.records])
         write_json_atomic(staging / CONTRIBUTED, data)
         (staging / CARD).write_text(render_card(fp, meta["register"], data))
         write_manifest(

@@ -48,7 +48,6 @@ from flwr.common import ConfigRecord, ndarrays_to_parameters
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server import LegacyContext, ServerConfig
 from flwr.server.compat.app_utils import start_update_client_manager_thread
-from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.server.workflow.default_workflows import default_fit_workflow
@@ -68,7 +67,14 @@ from nimmer_train.federation.checkpoint import STATE_FILE, ServerState, ledger_o
 from nimmer_train.federation.client import example_text
 from nimmer_train.federation.local_training import encode_rows, load_trainable
 from nimmer_train.federation.population import heldout_seed
-from nimmer_train.federation.strategy import NoisyMean, RoundOutcome, ScreeningGrid, fit_config
+from nimmer_train.federation.results import public_record
+from nimmer_train.federation.strategy import (
+    NoisyMean,
+    RoundOutcome,
+    ScreeningGrid,
+    WeightTotalSecAggPlus,
+    fit_config,
+)
 from nimmer_train.federation.wire import AdapterSpec, get_arrays, set_arrays, spec_of
 from nimmer_train.loras.train import heldout_loss
 from nimmer_train.memory.synthetic import heldout_examples
@@ -186,9 +192,8 @@ def _rounds(
                 state.stopped = over_budget
                 break
             arrays, record, stopping = _run_round(loop, server_round, a1_step(settings), arrays, held, state)
-            _checkpoint(state, loop, record, arrays, stopping)
-            report(record)
-            log.info("round %d: %s", server_round, _summary(record))
+            _checkpoint(state, loop, record, arrays, stopping)  # the exact record: server-side only
+            _announce(record, settings, report)
             if stopping:
                 log.warning("the federation stops: %s", stopping)
                 break
@@ -235,7 +240,7 @@ def _start_arrays(state: ServerState, setup: ServerSetup, report: Report) -> lis
 def _fit_workflow(settings: FederatedConfig) -> Callable[[Any, LegacyContext], None]:
     if not settings.secagg.enabled:
         return default_fit_workflow
-    return SecAggPlusWorkflow(
+    return WeightTotalSecAggPlus(  # NoisyMean refuses a total weight other than 1 per reply
         *settings.secagg.flower_args(),
         max_weight=1.0,  # every contributor weighs 1: keeps SecAgg+'s quantisation at full precision
         # a contribution's norm is <= C, so is every coordinate: SecAgg+ never clips one, and its
@@ -369,11 +374,18 @@ def _evaluate(setup: ServerSetup, arrays: list[np.ndarray]) -> float:
     return heldout_loss(setup.model, setup.heldout, setup.pad_id)
 
 
+def _announce(record: dict[str, Any], settings: FederatedConfig, report: Report) -> None:
+    """The round's public record to ``report`` (MLflow) and one log line: noised figures and
+    epsilons only, never the exact node counts the checkpoint keeps (issue 43)."""
+    public = public_record(record, settings)
+    report(public)
+    log.info("round %d: %s", record["round"], _summary(public))
+
+
 def _summary(record: dict[str, Any]) -> str:
     keys = (
-        "participants",
-        "dropped",
         "accepted",
+        "a1_contributions_noised",
         "heldout_loss",
         "epsilon_a1_user_level",
         "epsilon_a2_record_level",

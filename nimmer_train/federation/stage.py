@@ -273,13 +273,13 @@ def partition_order(partitions: dict[int, int]) -> Any:
 
 
 def _round_metrics(record: dict[str, Any]) -> dict[str, float]:
-    """A round record's numbers as MLflow metrics (bytes per client as mean and max)."""
-    values = {k: float(v) for k, v in record.items() if isinstance(v, int | float) and k != "round"}
-    if record.get("bytes_per_client"):
-        values["bytes_per_client_mean"] = sum(record["bytes_per_client"]) / len(record["bytes_per_client"])
-        values["bytes_per_client_max"] = float(max(record["bytes_per_client"]))
-    values["rejected"] = float(len(record.get("rejected", [])))
-    return values
+    """A round's public record (:func:`results.public_record`: no exact node count, no per-node
+    bytes) as MLflow metrics."""
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and k != "round"
+    }
 
 
 def _log_federation(fed: dict[str, Any], out: Path, seconds: float) -> None:

@@ -71,7 +71,8 @@ class A2Pool:
         """Every live example, or PoolTooSmall while fewer than k uploads are pooled."""
         count = self.live()
         if count < self.k:
-            raise PoolTooSmall(f"the A.2 pool holds {count} uploads; training needs at least k={self.k}")
+            # no count: the message reaches the A.2 node's log, and no epsilon covers an exact one
+            raise PoolTooSmall(f"the A.2 pool holds fewer than k={self.k} uploads; it trains nothing yet")
         rows = self.db.execute("SELECT examples FROM uploads ORDER BY upload_id").fetchall()
         return [example for (blob,) in rows for example in json.loads(blob)]
 

@@ -23,6 +23,7 @@ ROUND_COLUMNS = [
     "participants",
     "dropped",
     "rejected",
+    "a1_contributions_noised",
     "accepted",
     "heldout_loss",
     "epsilon_a1_user_level",
@@ -38,7 +39,8 @@ def rounds(src: Sources, run: Run) -> pd.DataFrame:
     frame = pd.DataFrame(records)
     if frame.empty:
         return pd.DataFrame(columns=ROUND_COLUMNS)
-    frame["rejected"] = frame["rejected"].map(lambda r: len(r) if isinstance(r, list) else r)
+    if "rejected" in frame:  # runs before issue 43 published the exact node counts; none since
+        frame["rejected"] = frame["rejected"].map(lambda r: len(r) if isinstance(r, list) else r)
     return frame[[c for c in ROUND_COLUMNS if c in frame]].set_index("round")
 
 
