@@ -5,7 +5,8 @@ accepts of their replies and what it releases.
 DP-FedAvg (:mod:`nimmer_train.privacy.dp_fedavg`): nodes Poisson-sampled at rate q
 (:class:`PoissonSampling`), the contributions summed in float64, the release threshold counted
 inside the sum (the A.1 indicators), the noisy sum divided by the fixed q N. :class:`ScreeningGrid`
-drops every reply the server can read that does not fit the adapter. :func:`fit_config` is what
+drops every reply the server can read that does not fit the adapter; :class:`WeightTotalSecAggPlus`
+hands NoisyMean SecAgg+'s unmasked total weight, which must be one per reply. :func:`fit_config` is what
 every sampled node receives. The round loop (:mod:`nimmer_train.federation.rounds`) adopts a
 released update only after its spend is accounted.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,11 +23,14 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 from flwr.common import FitRes, Parameters, bytes_to_ndarray, parameters_to_ndarrays
+from flwr.common.secure_aggregation.ndarrays_arithmetic import factor_extract
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.secure_aggregation import secaggplus_workflow
 from flwr.serverapp.grid import Grid
 
 from nimmer_train.config.federated import SECAGG_MAX_NODES, SECAGG_QUANTIZATION_RANGE, FederatedConfig
@@ -120,12 +125,14 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
         self.mechanism = mechanism_of(settings)
         self.rng, self.order = rng, order
         self.outcome = RoundOutcome()
+        self.weight_total: int | None = None  # SecAgg+'s unmasked weight factor sum (WeightTotalSecAggPlus)
 
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, Any]]:
         sampling = PoissonSampling(client_manager, self.settings.user_dp.fraction_fit, self.rng(), self.order)
         chosen = super().configure_fit(server_round, parameters, sampling)
+        self.weight_total = None
         self.outcome = RoundOutcome(
             sampled=len(chosen), available=sampling.available, reason="" if chosen else "no node was sampled"
         )
@@ -149,6 +156,8 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
         out.participants = len(results)
         if not results:
             return self._nothing(server_round, "no contribution reached the server")
+        if problem := self._weight_problem(len(results)):
+            return self._nothing(server_round, f"aggregate rejected: {problem}")
         *total, indicator_sum = self._sum(results)  # the sums over the n nodes, float64
         problem = check_update([a.astype(np.float32) for a in total], self.spec)
         indicator = float(indicator_sum.reshape(-1)[0])
@@ -176,6 +185,27 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
         out.accepted = True
         return None, {}  # the update is adopted by _run_round after the write-ahead ledger
 
+    def _weight_problem(self, n: int) -> str | None:
+        """Under SecAgg+, why the round's total weight is not the n x Q of n replies of weight 1
+        (Q: the quantisation range; each node's weight factor is round(w / max_weight x Q)).
+        SecAgg+ divides the sum by that total and :meth:`_sum` multiplies by n, so any other
+        total scales every update in the sum (weight 0 from one of n: n / (n - 1)) with the
+        noise unchanged. The masked factors sum modulo 2^32 and n Q < 2^32 (at most
+        SECAGG_MAX_NODES nodes): the total is exact and only n weights of 1 (mod 2^32) give it.
+        No figure goes into the reason (it is recorded)."""
+        if not self.settings.secagg.enabled:
+            return None  # plain FedAvg: _sum adds the replies itself, their weights unused
+        if self.weight_total is None:
+            return (
+                "SecAgg+ reported no total weight (the fit workflow must be strategy.WeightTotalSecAggPlus)"
+            )
+        if self.weight_total != n * SECAGG_QUANTIZATION_RANGE:
+            return (
+                "the nodes' total weight is not 1 per reply: a node reported another weight, which "
+                "would scale every update in the sum"
+            )
+        return None
+
     def _sum(self, results: list[tuple[ClientProxy, FitRes]]) -> list[np.ndarray]:
         """The sum of the n contributions, float64. Under SecAgg+ every result carries the same
         unmasked mean (an exact integer sum, dequantised in float64): times n. FedAvg's average of
@@ -194,6 +224,46 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
         self.outcome.reason = reason
         log.warning("round %d makes no update: %s", server_round, reason)
         return None, {}
+
+
+class WeightTotalSecAggPlus(SecAggPlusWorkflow):
+    """Flower's SecAgg+ workflow (flwr 1.42), which also hands the strategy the total weight
+    it unmasks (``NoisyMean.weight_total``) before the strategy aggregates. Flower divides the
+    unmasked sum by that total and keeps it to itself; its unmask stage takes it from the sum
+    with ``factor_extract``, which :func:`_record_weight_totals` wraps: the total reaches the
+    strategy of the unmask stage running on the same thread, and nothing else changes."""
+
+    def unmask_stage(self, grid: Any, context: Any, state: Any) -> bool:
+        _record_weight_totals()
+        strategy = context.strategy
+        _weight_sink.record = lambda total: setattr(strategy, "weight_total", int(total))
+        try:
+            return super().unmask_stage(grid, context, state)
+        finally:
+            _weight_sink.record = None
+
+
+_weight_sink = threading.local()  # per thread: the unmask stage in progress records here
+_wrap_lock = threading.Lock()
+
+
+def _record_weight_totals() -> None:
+    """Wrap ``factor_extract`` in Flower's SecAgg+ workflow module, once: it returns what it
+    did, and hands the extracted total weight to the unmask stage running on this thread (no
+    other caller sees a difference)."""
+    with _wrap_lock:
+        if getattr(secaggplus_workflow.factor_extract, "records_weight_total", False):
+            return
+
+        def extract(parameters: list[np.ndarray]) -> tuple[int, list[np.ndarray]]:
+            total, rest = factor_extract(parameters)
+            record = getattr(_weight_sink, "record", None)
+            if record is not None:
+                record(total)
+            return total, rest
+
+        extract.records_weight_total = True  # type: ignore[attr-defined]
+        secaggplus_workflow.factor_extract = extract
 
 
 def _a2_claim(metrics: dict[str, Any]) -> Step | None:
