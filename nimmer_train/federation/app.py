@@ -20,7 +20,14 @@ from flwr.serverapp.grid import Grid
 
 from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.federation.client import Contributor, Node
-from nimmer_train.federation.mods import clip_mod, drill_mod, equal_weight_mod, refusal_mod, validate_mod
+from nimmer_train.federation.mods import (
+    clip_mod,
+    drill_mod,
+    equal_weight_mod,
+    refusal_mod,
+    unmask_guard_mod,
+    validate_mod,
+)
 
 if TYPE_CHECKING:  # the server side needs torch; a SuperNode's per-message processes should not
     from nimmer_train.federation.checkpoint import ServerState
@@ -51,7 +58,7 @@ def client_app(
 
     mods = [equal_weight_mod, clip_mod, validate_mod, *(extra_mods or [])]  # extra: innermost (benchmarks)
     if secure_aggregation:
-        mods.insert(0, secaggplus_mod)
+        mods[:0] = [unmask_guard_mod, secaggplus_mod]  # the guard sees the unmask request first
     if drills is not None:
         mods.insert(0, _drill_dispatch(drills))
     mods.insert(0, refusal_mod)  # outermost: a refusal is an error reply, not a traceback

@@ -1,6 +1,6 @@
 """Client-side Flower mods around the contributor's training, outermost first:
 
-``[refusal_mod, secaggplus_mod, equal_weight_mod, clip_mod, validate_mod]``
+``[refusal_mod, unmask_guard_mod, secaggplus_mod, equal_weight_mod, clip_mod, validate_mod]``
 
 - ``refusal_mod`` answers a device's refusal (``client.Refused``: it takes no part) with an
   error reply that says only ``client.REFUSAL`` and logs one line: the node drops out of the
@@ -19,7 +19,11 @@
 - ``equal_weight_mod`` gives every node the weight 1 (user-level DP sums users, not examples)
   and drops every metric except the A.2 node's accounting step: no id, tier or count leaves a
   node in plaintext;
-- ``secaggplus_mod`` (Flower's) masks the vector.
+- ``secaggplus_mod`` (Flower's) masks the vector;
+- ``unmask_guard_mod`` refuses a SecAgg+ unmask request that names a node both active and
+  dropped, or this node dropped: Flower 1.42's client would send both of that node's key shares
+  (its mask seed's and its masking key's), and with a threshold of them the server removes the
+  node's masks and reads its update alone.
 
 ``drill_mod`` (simulation drills only, outermost) corrupts the outgoing reply of a chosen
 partition and round the way a tampered client could, to show the server refuses it.
@@ -28,6 +32,7 @@ partition and round the way a tampered client could, to show the server refuses 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 from flwr.app import Context, Error, Message
@@ -35,7 +40,7 @@ from flwr.app.message_type import MessageType
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common import ndarray_to_bytes, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.constant import ErrorCode
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
@@ -60,6 +65,36 @@ def refusal_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Me
     except Refused:
         log.info("round %s: %s", msg.metadata.group_id or "?", REFUSAL)
         return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, REFUSAL), reply_to=msg)
+
+
+def unmask_guard_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+    if msg.metadata.message_type != MessageType.TRAIN:
+        return call_next(msg, ctxt)
+    problem = unmask_problem(msg.content.config_records.get(RECORD_KEY_CONFIGS), msg.metadata.dst_node_id)
+    if problem is None:
+        return call_next(msg, ctxt)
+    log.warning("round %s: refusing the server's SecAgg+ unmask request: %s", msg.metadata.group_id, problem)
+    refusal = Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"unmask request refused: {problem}")
+    return Message(refusal, reply_to=msg)
+
+
+def unmask_problem(configs: Any, node_id: int) -> str | None:
+    """Why this node must not answer an unmask request, or None (also for any other message).
+    For an active node the server needs the shares of its mask seed, for a dropped one those of
+    its masking key, never both: both for one node unmask its update alone. A node answering
+    is not dropped. SecAgg+'s stage order lets a node answer one unmask request per round (a
+    refused one leaves it unanswered), so each holder gives the server one kind of share of
+    every node. What no single device can see, different lists sent to different devices, is
+    docs/privacy.md's to state."""
+    if configs is None or configs.get(Key.STAGE) != Stage.UNMASK:
+        return None
+    active = set(configs.get(Key.ACTIVE_NODE_ID_LIST, []))
+    dead = set(configs.get(Key.DEAD_NODE_ID_LIST, []))
+    if both := sorted(active & dead):
+        return f"node(s) {both} listed both active and dropped (both key shares would unmask one update)"
+    if node_id in dead:
+        return f"this node ({node_id}) listed as dropped while it answers"
+    return None
 
 
 def validate_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:

@@ -25,7 +25,7 @@ from flwr.compat.common import recorddict_compat as compat
 
 from nimmer_train.config.federated import FederatedConfig, SimulationConfig, UserDPConfig
 from nimmer_train.federation import rounds
-from nimmer_train.federation.mods import clip_mod, equal_weight_mod, validate_mod
+from nimmer_train.federation.app import client_app
 from nimmer_train.federation.wire import A1_UPDATE, get_arrays
 from tests.helpers.loopback_grid import LoopbackGrid
 
@@ -66,10 +66,11 @@ def _weight(weight: int):  # noqa: ANN202 - a Flower mod
 
 
 def _app(delta: list[np.ndarray], weight: int | None = None) -> ClientApp:
-    """A node as client_app assembles it (SecAgg+ outermost); a forger adds ``_weight`` inside."""
-    mods = [secaggplus_mod, equal_weight_mod, clip_mod, validate_mod]
+    """A node with the project's mod chain (``app.client_app``'s); a forger adds ``_weight`` just
+    inside SecAgg+."""
+    mods = list(client_app(lambda _ctx: None)._mods)
     if weight is not None:
-        mods.insert(1, _weight(weight))
+        mods.insert(mods.index(secaggplus_mod) + 1, _weight(weight))
     return ClientApp(client_fn=lambda _ctx: _Trainer(delta).to_client(), mods=mods)
 
 
