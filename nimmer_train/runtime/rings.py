@@ -32,7 +32,7 @@ from nimmer_train.config.providers import config_warnings as provider_warnings
 from nimmer_train.errors import ConfigError, NimmerError
 from nimmer_train.synth.teacher.backends import chat_completion_reply, make_teacher
 from nimmer_train.synth.teacher.base import TeacherFatalError
-from nimmer_train.synth.teacher.http import post_with_retries
+from nimmer_train.synth.teacher.http import deadline, post_with_retries
 from nimmer_train.voice.composition import GenerationRequest
 from nimmer_train.voice.prompt_dsl import TurnPrompt, render_compact, render_projection
 from nimmer_train.voice.registers import Register
@@ -55,6 +55,9 @@ class RingConfig:
     price_out_per_mtok: float = 0.0
     timeout_s: float = 60.0
     max_retries: int = 3
+    # B and C: the longest one turn waits on the ring, retries, backoff and a server's Retry-After
+    # included; a wait past it is not taken (the turn gets an error reply, not a sleep of days)
+    deadline_s: float = 120.0
     constrained: bool = True  # A and B: schema-constrained decoding
     context_tokens: int | None = None  # B and C: the model's context window; null: not limited
     api_key: str | None = field(default=None, repr=False)  # B and C: the key itself (a sealed BYOK key)
@@ -66,6 +69,8 @@ class RingConfig:
             raise ConfigError("base_url", f"required for ring {self.ring}")
         if self.ring == "C" and (self.provider not in PROFILES or not self.model):
             raise ConfigError("provider/model", f"ring C needs provider in {PROVIDERS} and a model")
+        if not 0 < self.deadline_s < float("inf"):
+            raise ConfigError("deadline_s", f"{self.deadline_s!r}; seconds a turn may wait, over 0")
 
     @property
     def backend(self) -> str:
@@ -218,14 +223,19 @@ class RingB:
 
         started = time.perf_counter()
         url, teacher = f"{self.base}/chat/completions", self.cfg.teacher(knobs.max_new_tokens)
-        try:
-            reply = post_with_retries(self.client, url, body, self._headers(), teacher, chat_completion_reply)
-        except TeacherFatalError as exc:  # a 404: nimmer serve moved to the version its alias names
-            if " answered 404" not in str(exc):
-                raise
-            self._models = None  # ask the server what it serves now, once
-            model = body["model"] = self.model_id(name)
-            reply = post_with_retries(self.client, url, body, self._headers(), teacher, chat_completion_reply)
+        with deadline(self.cfg.deadline_s):
+            try:
+                reply = post_with_retries(
+                    self.client, url, body, self._headers(), teacher, chat_completion_reply
+                )
+            except TeacherFatalError as exc:  # a 404: nimmer serve moved to the version its alias names
+                if " answered 404" not in str(exc):
+                    raise
+                self._models = None  # ask the server what it serves now, once
+                model = body["model"] = self.model_id(name)
+                reply = post_with_retries(
+                    self.client, url, body, self._headers(), teacher, chat_completion_reply
+                )
         return RingReply(
             reply.content,
             "B",
@@ -266,13 +276,14 @@ class RingC:
         messages = self.render(prompt, register)
         request = GenerationRequest(name, {}, prompt, messages, knobs, key="")
         # --- issue 16: memory tools in the turn loop (OpenAI-compatible providers) ---
-        if self.tools is not None and self.cfg.backend == "openai_compatible":
-            from nimmer_train.runtime.tool_calls import chat_with_tools
+        with deadline(self.cfg.deadline_s):  # every round of a tool loop included
+            if self.tools is not None and self.cfg.backend == "openai_compatible":
+                from nimmer_train.runtime.tool_calls import chat_with_tools
 
-            turn = chat_with_tools(teacher, request, self.tools)
-            reply, self.tool_calls = turn.reply, turn.calls
-        else:
-            reply = teacher.generate([request])[0]
+                turn = chat_with_tools(teacher, request, self.tools)
+                reply, self.tool_calls = turn.reply, turn.calls
+            else:
+                reply = teacher.generate([request])[0]
         # --- end issue 16 ---
         cost = (
             reply.prompt_tokens * self.cfg.price_in_per_mtok
