@@ -297,29 +297,36 @@ AUDIT_DIM = 10_000  # dimension of the canaries' random directions
 def audit_report(settings: FederatedConfig, released_rounds: int) -> dict[str, Any] | None:
     """The one-run user-level audit (:mod:`nimmer_train.privacy.audit`, Steinke et al. 2023 with
     Andrew et al.'s random-direction canaries) of the mechanism as released: its empirical epsilon
-    lower bound at 95 % confidence beside the accounted epsilon. None without privacy or rounds."""
+    lower bound at 95 % confidence beside the accounted epsilon, each round released by the
+    server's own aggregation (:mod:`nimmer_train.federation.strategy_audit`), with its ceiling and
+    the canary count whose ceiling would pass the accounted epsilon (below it the audit cannot
+    decide). None without privacy or rounds."""
     if settings.no_privacy or released_rounds < 1:
         return None
     import dataclasses
 
+    from nimmer_train.federation.strategy_audit import audit_aggregator
     from nimmer_train.privacy import audit
 
     mechanism = dataclasses.replace(mechanism_of(settings), rounds=released_rounds)
     # control=True: the same audit at z = 0 says whether this one could have seen a leak at all
     # (at a small q T few canaries ever take part: the demo's bound is 0 whatever the noise)
-    result = audit.audit_user_level(mechanism, canaries=AUDIT_CANARIES, dim=AUDIT_DIM, control=True)
+    result = audit_aggregator(settings, mechanism, canaries=AUDIT_CANARIES, dim=AUDIT_DIM, control=True)
     return {
         "audit_epsilon_lower_bound": result.lower_bound,
         "audit_control_lower_bound": result.control_lower_bound,
         "audit_ceiling": result.ceiling,
         "audit_conclusive": result.conclusive,
+        "audit_canaries_to_decide": audit.canaries_to_decide(mechanism),  # None: no m up to DECIDE_LIMIT
+        "aggregator": result.aggregator,
         "theoretical_epsilon": result.theoretical_epsilon,
         "confidence": result.confidence,
         "canaries": result.canaries,
         "guesses": result.guesses,
         "correct": result.correct,
         "method": "one-run audit (Steinke, Nasr & Jagielski 2023), random-direction canary contributors "
-        "(Andrew et al. 2024), on the released mechanism's arithmetic (privacy.dp_fedavg)",
+        "(Andrew et al. 2024), each round released by the server's own aggregation "
+        "(NoisyMean.aggregate_fit on the clients' clipped contributions; SecAgg+'s masking not run)",
     }
 
 

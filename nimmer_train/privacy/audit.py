@@ -30,14 +30,20 @@ With ``z = 0`` the audit must still find a bound of at least 3 (it has power). A
 few canaries ever take part (the demo's q = 0.004, T = 3: 1.2 %), so a fixed ``m`` proves nothing
 whatever the noise: :func:`canaries_for_power` sizes ``m`` from the mechanism, and a published
 audit carries its own z = 0 control (``control=True``), so a bound of 0 beside an epsilon says
-whether the audit could have seen a leak at all.
+whether the audit could have seen a leak at all, and :func:`canaries_to_decide` says what ``m``
+would let even a perfect attack prove more than the accounted epsilon.
+
+``release_round`` is the aggregator audited: :func:`dp_fedavg.aggregate` by default (the
+arithmetic), and where the federation publishes, its own strategy's aggregation
+(``federation.strategy_audit``), so that a defect in how the server sums, checks or noises a round
+moves the bound (issue 43: an audit of the arithmetic alone could not see a client scaling a round).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +57,9 @@ POWER_PRESENT = 400  # canaries expected to take part in some round, when sizing
 MAX_CANARIES = 60_000
 ORDINARY_SHARED = 0.6  # ordinary updates: this share of C along one common direction, the rest private
 CHUNK = 256  # canary directions generated at a time when scoring
+DECIDE_LIMIT = 1000 * 2**12  # the largest canary count canaries_to_decide tries (its cost: O(guesses))
+# one round's release from its cohort's (unclipped) flat updates; None: the round released nothing
+ReleaseRound = Callable[[list[np.ndarray], Mechanism, np.random.Generator], "np.ndarray | None"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,9 @@ class UserLevelAudit:
     mechanism: Mechanism
     ceiling: float = 0.0  # the largest bound this audit could report (every guess right)
     control_lower_bound: float | None = None  # the same audit with z = 0 (None: not run)
+    canaries_to_decide: int | None = None  # m whose ceiling passes the accounted epsilon (None: none)
+    # (computed by the caller that publishes the audit, canaries_to_decide: it costs O(guesses))
+    aggregator: str = "privacy.dp_fedavg.aggregate"  # what released the audited rounds
 
     @property
     def conclusive(self) -> bool | None:
@@ -156,10 +168,17 @@ def canary_scores(releases: np.ndarray, keys: np.ndarray, mechanism: Mechanism, 
 
 
 def run_with_canaries(
-    mechanism: Mechanism, keys: np.ndarray, included: np.ndarray, dim: int, rng: np.random.Generator
+    mechanism: Mechanism,
+    keys: np.ndarray,
+    included: np.ndarray,
+    dim: int,
+    rng: np.random.Generator,
+    release_round: ReleaseRound | None = None,
 ) -> np.ndarray:
     """The T released means (T x dim) of DP-FedAvg over ``mechanism.population`` synthetic ordinary
-    contributors plus the included canaries, each Poisson-sampled at q every round."""
+    contributors plus the included canaries, each Poisson-sampled at q every round, each round
+    released by ``release_round`` (default :func:`aggregate`; a round it releases nothing for, or
+    whose cohort is empty under it, is a row of zeros, which the scores skip)."""
     shared = rng.standard_normal(dim)
     shared *= ORDINARY_SHARED * mechanism.clip / np.linalg.norm(shared)
     private = math.sqrt(1 - ORDINARY_SHARED**2) * mechanism.clip / math.sqrt(dim)
@@ -172,7 +191,10 @@ def run_with_canaries(
         )
         updates = [shared + private * rng.standard_normal(dim) for _ in ordinary]
         updates += list(mechanism.clip * canary_directions(keys[canaries], dim))
-        if updates:
+        if release_round is not None:
+            released = release_round(updates, mechanism, rng) if updates else None
+            releases[t] = 0.0 if released is None else released
+        elif updates:
             releases[t] = aggregate(updates, mechanism, rng)
         else:  # nobody sampled: the noise alone is released
             releases[t] = release(np.zeros(dim), mechanism, rng)
@@ -205,6 +227,31 @@ def canaries_for_power(mechanism: Mechanism, present: int = POWER_PRESENT, cap: 
     return int(min(cap, max(1000, math.ceil(present / (0.5 * taking_part(mechanism))))))
 
 
+def best_provable_bound(canaries: int, mechanism: Mechanism, confidence: float) -> float:
+    """The bound of ``canaries`` canaries when every guess of the largest count is right."""
+    counts = guess_counts(canaries, mechanism)
+    significance = (1 - confidence) / len(counts)
+    return one_run_lower_bound(canaries, counts[-1], counts[-1], mechanism.delta, significance)
+
+
+def canaries_to_decide(
+    mechanism: Mechanism, epsilon: float | None = None, confidence: float = 0.95, limit: int = DECIDE_LIMIT
+) -> int | None:
+    """The fewest canaries (1000 times a power of 2) whose ceiling passes ``epsilon`` (default the
+    accounted one): below it even a perfect attack cannot prove a leak beyond the published figure,
+    so an audit of that size decides nothing. None when no count up to ``limit`` does (the delta
+    term grows with m) or there is no epsilon."""
+    target = mechanism.epsilon() if epsilon is None else epsilon
+    if target is None:
+        return None
+    m = 1000
+    while m <= limit:
+        if best_provable_bound(m, mechanism, confidence) > target:
+            return m
+        m *= 2
+    return None
+
+
 def audit_user_level(
     mechanism: Mechanism,
     canaries: int = 1000,
@@ -212,12 +259,15 @@ def audit_user_level(
     rng: np.random.Generator | None = None,
     confidence: float = 0.95,
     control: bool = False,
+    release_round: ReleaseRound | None = None,
+    aggregator: str = "privacy.dp_fedavg.aggregate",
 ) -> UserLevelAudit:
     """Run ``mechanism`` once with ``canaries`` random-direction canary contributors (each included
     with probability 1/2) and return the empirical epsilon lower bound at ``confidence`` beside
     the accounted epsilon. ``rng`` drives everything (membership, sampling, ordinary updates,
     noise); by default one generator from the OS's entropy, a seeded one reproduces a run.
-    ``control``: also run the same audit with z = 0 (its bound says whether this one had power)."""
+    ``control``: also run the same audit with z = 0 (its bound says whether this one had power).
+    ``release_round``: the aggregator audited (named ``aggregator``), :func:`aggregate` by default."""
     if canaries < 1 or dim < 1:
         raise ValueError(f"the audit needs canaries >= 1 and dim >= 1, got {canaries} and {dim}")
     if not 0 < confidence < 1:
@@ -225,7 +275,7 @@ def audit_user_level(
     rng = rng if rng is not None else entropy_rng()
     keys = rng.integers(0, 2**63, size=(canaries, 2), dtype=np.int64)
     included = rng.random(canaries) < 0.5
-    releases = run_with_canaries(mechanism, keys, included, dim, rng)
+    releases = run_with_canaries(mechanism, keys, included, dim, rng, release_round)
     ranked = np.argsort(-canary_scores(releases, keys, mechanism, dim), kind="stable")
     counts = guess_counts(canaries, mechanism)
     significance = (1 - confidence) / len(counts)
@@ -236,9 +286,11 @@ def audit_user_level(
         if bound > best[0]:
             best = (bound, k, correct)
     without_noise = dataclasses.replace(mechanism, noise_multiplier=0.0)
-    control_bound = (
-        audit_user_level(without_noise, canaries, dim, rng, confidence).lower_bound if control else None
-    )
+    control_bound = None
+    if control:
+        control_bound = audit_user_level(
+            without_noise, canaries, dim, rng, confidence, release_round=release_round
+        ).lower_bound
     return UserLevelAudit(
         lower_bound=best[0],
         theoretical_epsilon=mechanism.epsilon(),
@@ -248,6 +300,7 @@ def audit_user_level(
         confidence=confidence,
         dim=dim,
         mechanism=mechanism,
-        ceiling=one_run_lower_bound(canaries, counts[-1], counts[-1], mechanism.delta, significance),
+        ceiling=best_provable_bound(canaries, mechanism, confidence),
         control_lower_bound=control_bound,
+        aggregator=aggregator,
     )

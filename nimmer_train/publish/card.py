@@ -203,13 +203,28 @@ def _report_lines(privacy: dict[str, Any]) -> list[str]:
                 if audit["audit_conclusive"]
                 else "inconclusive: at this sampling rate too few canaries take part for the audit to see "
                 "a leak at all"
-            )
+            ) + _deciding_size(audit)
             lines.append(
                 f"  - the same audit without noise (its control) reaches "
                 f"{audit['audit_control_lower_bound']:.3f}; the highest bound it could report is "
                 f"{audit['audit_ceiling']:.2f}: {verdict}"
             )
     return lines
+
+
+def _deciding_size(audit: dict[str, Any]) -> str:
+    """What canary count would let the audit test the published epsilon (issue 43)."""
+    if "audit_canaries_to_decide" not in audit or audit["theoretical_epsilon"] is None:
+        return ""
+    at = f"; at {audit['canaries']:,} canaries the best provable epsilon is {audit['audit_ceiling']:.2f}"
+    m = audit["audit_canaries_to_decide"]
+    if m is None:
+        from nimmer_train.privacy.audit import DECIDE_LIMIT
+
+        return f"{at}; no canary count up to {DECIDE_LIMIT:,} could test the published epsilon (raise q T)"
+    if m <= audit["canaries"]:
+        return at
+    return f"{at}; m >= {m:,} canaries would decide epsilon <= {audit['theoretical_epsilon']:.2f}"
 
 
 def _exposure_lines(exp: dict[str, Any] | None) -> list[str]:
