@@ -19,7 +19,7 @@ from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.federation.checkpoint import ServerState
 from nimmer_train.memory.consent import NEVER_SHARED
 from nimmer_train.memory.entries import DATA_CATEGORIES
-from nimmer_train.privacy.a2_pool import noised_counts
+from nimmer_train.privacy.a2_pool import claim_key, noised_counts
 from nimmer_train.privacy.accounting import BudgetExceeded, Ledger, Step
 from nimmer_train.privacy.dp_fedavg import Mechanism
 from nimmer_train.privacy.dp_sgd import accounted_rate, public_sample_rate
@@ -48,9 +48,16 @@ def planned_a2(settings: FederatedConfig) -> Step:
     """The A.2 node's accounting step, a function of the settings only (never of the pool's size,
     which the published A.2 epsilon would otherwise reveal): Poisson batches at the public rate
     batch_size / max_examples as Opacus accounts it (``dp_sgd.accounted_rate``), local.steps.
-    The A.2 node takes and reports exactly this step; the server accepts no other."""
+    The A.2 node takes and reports exactly this step, tagged (``wire.a2_claim``); the server
+    accepts no other, and no untagged claim."""
     rate = accounted_rate(public_sample_rate(settings.local.batch_size, settings.local.max_examples))
     return (settings.local_dp.noise_multiplier, rate, settings.local.steps)
+
+
+def a2_claim_key(pool: Path | None) -> bytes | None:
+    """The key the server checks the A.2 node's claimed step with (created beside the pool on
+    first use); None without a pool: a server that knows no pool accounts no A.2 claim."""
+    return None if pool is None else claim_key(pool, create=True)
 
 
 def count_step(settings: FederatedConfig) -> Step:

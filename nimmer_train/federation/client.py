@@ -9,7 +9,10 @@ Whether its update is a real A.1 update travels only inside the masked vector (t
 indicator, set by ``mods.clip_mod`` from the private ``a1-update`` note below, which the mods
 strip). Only the server-operated A.2 node reports its DP-SGD step (the server runs it anyway);
 that step depends on the settings only (public rate, every pooled example: see local_training),
-and the server accepts no other.
+and the server accepts no other. It tags the claim with the pool's claim key for the round and
+the server's nonce (``wire.a2_claim``): the server accounts no untagged claim, so no other node
+can make it count an A.2 step, and the A.2 node trains only for a server that names that key in
+the round's instructions (one started with its pool, which wrote the key): never unaccounted.
 
 A device takes part only while its consent says A1_federated and is not revoked
 (``consent.takes_part``): otherwise it refuses the round (it trains nothing and sends no
@@ -33,7 +36,7 @@ from flwr.client import NumPyClient
 
 from nimmer_train.config.federated import A2Config, UserDPConfig, dashed
 from nimmer_train.errors import NimmerError
-from nimmer_train.federation.wire import A1_RELEASED, A1_UPDATE
+from nimmer_train.federation.wire import A1_RELEASED, A1_UPDATE, A2_KEY_ID, A2_NONCE, a2_claim, a2_key_id
 from nimmer_train.memory import contributions
 from nimmer_train.memory.consent import (
     ConsentRecord,
@@ -46,7 +49,7 @@ from nimmer_train.memory.consent import (
 )
 from nimmer_train.memory.embedding import NoEmbedder
 from nimmer_train.memory.player_memory import PlayerMemory
-from nimmer_train.privacy.a2_pool import A2Pool, PoolTooSmall
+from nimmer_train.privacy.a2_pool import A2Pool, PoolTooSmall, claim_key
 
 log = logging.getLogger(__name__)
 TIER = "A1_federated"
@@ -149,6 +152,18 @@ def pool_examples(pool_path: Path, k: int) -> list[str]:
         pool.close()
 
 
+def a2_node_key(pool: Path, config: dict[str, Any]) -> bytes:
+    """The pool's claim key, if this round's server checks claims with it; else NimmerError
+    (the A.2 node trains nothing: its run would enter the sum without being accounted)."""
+    key = claim_key(pool)  # missing: no server was started with this pool
+    if config.get(A2_KEY_ID) != a2_key_id(key) or A2_NONCE not in config:
+        raise NimmerError(
+            f"this server does not account the A.2 pool {pool} (its run config a2-pool names another "
+            "pool or none): the A.2 node trains nothing; start the server with a2-pool set to this pool"
+        )
+    return key
+
+
 class Contributor(NumPyClient):
     """fit(): global adapter in, locally DP-trained adapter out."""
 
@@ -166,7 +181,9 @@ class Contributor(NumPyClient):
         if server_round in self.crash_rounds:
             raise RuntimeError(f"drill: this node fails in round {server_round}")
         settings = LocalTrainingConfig.from_fit_config(config, pool=self.node.a2_pool is not None)
+        key = None
         if self.node.a2_pool is not None:
+            key = a2_node_key(self.node.a2_pool, config)
             texts = pool_examples(self.node.a2_pool, A2Config.from_fit_config(config).k)
             accountant = self.node.a2_pool.parent / POOL_ACCOUNTANT
         else:
@@ -202,14 +219,9 @@ class Contributor(NumPyClient):
             note_device_contribution(self.node.device)  # the consent record's count and date
         if self.node.device is not None and result.steps:  # a real A.1 update: for clip_mod only
             metrics[A1_UPDATE] = 1
-        if self.node.a2_pool is not None and result.steps:  # the server operates this client: it may say how
-            metrics.update(
-                {
-                    "a2-noise": settings.dp.noise_multiplier,
-                    "a2-sample-rate": result.sample_rate,
-                    "a2-steps": result.steps,
-                }
-            )
+        if key is not None and result.steps:  # the server operates this client: it may say how
+            step = (settings.dp.noise_multiplier, result.sample_rate, result.steps)
+            metrics.update(a2_claim(key, server_round, str(config[A2_NONCE]), step))
         return result.arrays, result.examples, metrics
 
     def _refuse_unless_taking_part(self, device: Path, server_round: int) -> None:

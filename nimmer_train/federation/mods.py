@@ -17,8 +17,8 @@
   Flower's ``fixedclipping_mod`` is not used: it clips parameters, not this vector, and divides by
   zero on the all-zero update of a contributor with no data (flwr 1.42, ``clip_inputs_inplace``);
 - ``equal_weight_mod`` gives every node the weight 1 (user-level DP sums users, not examples)
-  and drops every metric except the A.2 node's accounting step: no id, tier or count leaves a
-  node in plaintext;
+  and drops every metric except the A.2 node's accounting step and its tag (``wire.A2_CLAIM``):
+  no id, tier or count leaves a node in plaintext;
 - ``secaggplus_mod`` (Flower's) masks the vector;
 - ``unmask_guard_mod`` refuses a SecAgg+ unmask request that names a node both active and
   dropped, or this node dropped: Flower 1.42's client would send both of that node's key shares
@@ -47,7 +47,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from nimmer_train.federation.client import REFUSAL, Refused
 from nimmer_train.federation.wire import (
     A1_UPDATE,
-    A2_METRICS,
+    A2_CLAIM,
     QUANTUM,
     AdapterSpec,
     check_update,
@@ -156,7 +156,7 @@ def equal_weight_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) 
         return out
     res = compat.recorddict_to_fitres(out.content, keep_input=True)
     res.num_examples = 1
-    res.metrics = {k: v for k, v in res.metrics.items() if k in A2_METRICS}
+    res.metrics = {k: v for k, v in res.metrics.items() if k in A2_CLAIM}
     out.content = compat.fitres_to_recorddict(res, keep_input=True)
     return out
 

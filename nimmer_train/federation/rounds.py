@@ -57,6 +57,7 @@ from transformers import AutoTokenizer
 from nimmer_train.config.federated import SECAGG_MODULUS_RANGE, SECAGG_QUANTIZATION_RANGE, FederatedConfig
 from nimmer_train.federation.budget import (
     a1_step,
+    a2_claim_key,
     mechanism_of,
     plan_round,
     release_pool_counts,
@@ -173,7 +174,8 @@ def _rounds(
     """The rounds after ``state.round``; ``state.stopped`` says why they ended early, if they did."""
     spec = spec_of(setup.model)
     released = lambda: sum(steps for _, _, steps in ledger.a1)  # noqa: E731 - rounds released so far
-    strategy = NoisyMean(settings, spec, fit_config(settings, spec), rng, order, released)
+    key = a2_claim_key(setup.a2_pool)  # only the pool's A.2 node can claim an A.2 step
+    strategy = NoisyMean(settings, spec, fit_config(settings, spec), rng, order, released, key)
     legacy = LegacyContext(
         context=context,
         config=ServerConfig(num_rounds=settings.rounds, round_timeout=settings.round_timeout),

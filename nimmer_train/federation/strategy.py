@@ -13,8 +13,10 @@ released update only after its spend is accounted.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,9 +39,15 @@ from nimmer_train.config.federated import SECAGG_MAX_NODES, SECAGG_QUANTIZATION_
 from nimmer_train.federation.budget import mechanism_of, planned_a2
 from nimmer_train.federation.wire import (
     A1_RELEASED,
+    A2_CLAIM,
+    A2_KEY_ID,
     A2_METRICS,
+    A2_NONCE,
+    A2_TAG,
     QUANTUM,
     AdapterSpec,
+    a2_claim_tag,
+    a2_key_id,
     check_update,
     indicator_value,
     secagg_quantum,
@@ -85,7 +93,10 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
     void the round, the contributions are summed in float64, the release threshold counts real A.1
     updates inside the sum, and the noisy sum is divided by the fixed q N (never the survivors),
     so a dropout costs utility, never privacy. The aggregate and the A.2 node's claimed step are
-    checked before use.
+    checked before use: a claim counts only with a valid tag under ``a2_key`` (the pool's claim
+    key, ``wire.a2_claim``) for this round and its nonce; any other claim is ignored, not
+    accounted (SuperNodes are not authenticated: any node could claim a step). Without
+    ``a2_key`` (a server that knows no A.2 pool) no claim counts.
 
     ``rng`` makes the generator of each round's sampling and noise: :func:`entropy_rng` (the OS's
     entropy) always in production; a test passes a seeded one to compare with the simulator.
@@ -100,6 +111,7 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
         rng: Callable[[], np.random.Generator] = entropy_rng,
         order: Callable[[list[str]], list[str]] | None = None,
         released: Callable[[], int] = lambda: 0,
+        a2_key: bytes | None = None,
     ) -> None:
         inner = FedAvg(
             fraction_fit=settings.user_dp.fraction_fit,
@@ -111,6 +123,7 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
             on_fit_config_fn=lambda server_round: {
                 **fit_config,
                 A1_RELEASED: released(),
+                **self._claim_config(),
                 "round": server_round,
             },
             accept_failures=True,
@@ -126,11 +139,14 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
         self.rng, self.order = rng, order
         self.outcome = RoundOutcome()
         self.weight_total: int | None = None  # SecAgg+'s unmasked weight factor sum (WeightTotalSecAggPlus)
+        self.a2_key = a2_key
+        self.claim_nonce = secrets.token_hex(16)  # fresh each round (configure_fit): no tag replays
 
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, Any]]:
         sampling = PoissonSampling(client_manager, self.settings.user_dp.fraction_fit, self.rng(), self.order)
+        self.claim_nonce = secrets.token_hex(16)
         chosen = super().configure_fit(server_round, parameters, sampling)
         self.weight_total = None
         self.outcome = RoundOutcome(
@@ -165,9 +181,9 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
         a1 = indicator / s  # exact, to SecAgg+'s rounding: n nodes, each off by < 2 quanta
         if problem is None and (not np.isfinite(indicator) or abs(a1 - round(a1)) > 0.25 or a1 < -0.25):
             problem = "the A.1 indicators do not sum to a whole count"
-        claims = [r.metrics for _, r in results if any(k in r.metrics for k in A2_METRICS)]
+        claims = self._a2_claims(server_round, [r.metrics for _, r in results])
         a2 = planned_a2(self.settings)
-        if problem is None and any(_a2_claim(m) != a2 for m in claims):
+        if problem is None and any(step != a2 for step in claims):
             problem = f"an A.2 accounting step other than the configured {a2}"
         if problem:
             return self._nothing(server_round, f"aggregate rejected: {problem}")
@@ -184,6 +200,37 @@ class NoisyMean(DifferentialPrivacyClientSideFixedClipping):
         out.a2_steps = [a2] * len(claims)  # every A.2 run in the sum, each the configured step
         out.accepted = True
         return None, {}  # the update is adopted by _run_round after the write-ahead ledger
+
+    def _claim_config(self) -> dict[str, str]:
+        """What the round's instructions say of A.2 claims: this round's nonce and which key the
+        server checks them with; nothing without a key (the A.2 node then trains nothing)."""
+        if self.a2_key is None:
+            return {}
+        return {A2_NONCE: self.claim_nonce, A2_KEY_ID: a2_key_id(self.a2_key)}
+
+    def _a2_claims(self, server_round: int, metrics: list[dict[str, Any]]) -> list[Step | None]:
+        """The A.2 steps claimed with a valid tag for this round (None: malformed; any but the
+        configured step rejects the round); a claim without one is ignored, one line says so."""
+        claims = [m for m in metrics if any(k in m for k in A2_CLAIM)]
+        tagged = [_a2_claim(m) for m in claims if self._tagged(server_round, m)]
+        if len(tagged) < len(claims):
+            log.warning(
+                "round %d: an A.2 accounting claim without a valid tag is ignored (not accounted): only the "
+                "server's A.2 node, holding the pool's claim key, can claim an A.2 step",
+                server_round,
+            )
+        return tagged
+
+    def _tagged(self, server_round: int, metrics: dict[str, Any]) -> bool:
+        """Whether ``metrics`` carry the tag of their A.2 values under this server's claim key."""
+        tag = metrics.get(A2_TAG)
+        if self.a2_key is None or not all(k in metrics for k in A2_METRICS):
+            return False
+        if not isinstance(tag, str) or not tag.isascii():
+            return False
+        values = tuple(metrics[k] for k in A2_METRICS)
+        expected = a2_claim_tag(self.a2_key, server_round, self.claim_nonce, values)
+        return hmac.compare_digest(tag.encode(), expected.encode())
 
     def _weight_problem(self, n: int) -> str | None:
         """Under SecAgg+, why the round's total weight is not the n x Q of n replies of weight 1

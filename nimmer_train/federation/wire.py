@@ -11,9 +11,10 @@ masking and on the server for anything it can see.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,7 +29,39 @@ A1_INDICATOR_SHARE = 0.5
 A1_UPDATE = "a1-update"  # the client's private note to its own mods; stripped before the reply
 A1_RELEASED = "a1-released-rounds"  # fit-config key: the rounds the ledger released before this one
 A2_METRICS = ("a2-noise", "a2-sample-rate", "a2-steps")  # the server-operated A.2 node's step
+A2_TAG = "a2-claim-tag"  # its keyed tag over that step, the round and the round's nonce (a2_claim)
+A2_CLAIM = (*A2_METRICS, A2_TAG)  # the only metrics a reply carries (mods.equal_weight_mod)
+A2_NONCE = "a2-claim-nonce"  # fit-config key: the server's fresh nonce for this round's claims
+A2_KEY_ID = "a2-claim-key-id"  # fit-config key: which claim key the server checks with (a2_key_id)
 QUANTUM = "secagg-quantum"  # fit-config key: SecAgg+'s quantisation step (0 without SecAgg+)
+
+
+def a2_claim_tag(key: bytes, server_round: int, nonce: str, values: tuple[Any, ...]) -> str:
+    """HMAC-SHA256 under the A.2 pool's claim key (``privacy.a2_pool.claim_key``) over the
+    :data:`A2_METRICS` values as sent (their reprs: the server checks the tag before it parses
+    them), the round and the server's nonce for it. SuperNodes are not authenticated: the tag is
+    how the server tells its own A.2 node's claim from any node's, and a tag is good for one
+    round of one server run only (a replayed one names another round or nonce)."""
+    text = "|".join(["nimmer-a2-claim", str(int(server_round)), nonce, *map(repr, values)])
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def a2_key_id(key: bytes) -> str:
+    """A public name of a claim key (a domain-separated hash): the server sends it so that the
+    A.2 node trains only for a server that will account its run."""
+    return hashlib.sha256(b"nimmer-a2-claim-key-id|" + key).hexdigest()[:16]
+
+
+def a2_claim(
+    key: bytes, server_round: int, nonce: str, step: tuple[float, float, int]
+) -> dict[str, float | int | str]:
+    """The A.2 node's metrics: its step (:data:`A2_METRICS`, as Python floats and an int, the
+    types that cross the wire unchanged) and their tag (:data:`A2_TAG`)."""
+    values = (float(step[0]), float(step[1]), int(step[2]))
+    return {
+        **dict(zip(A2_METRICS, values, strict=True)),
+        A2_TAG: a2_claim_tag(key, server_round, nonce, values),
+    }
 
 
 def indicator_value(clipping_norm: float) -> float:

@@ -3,12 +3,16 @@ k are pooled, with forward-only deletion (a deleted upload is left out of every 
 read; what was already trained on stays trained).
 
 The pool's counts leave the server only through :func:`noised_counts`: the Gaussian mechanism on
-(uploads, examples per data category), accounted in the A.2 record-level ledger."""
+(uploads, examples per data category), accounted in the A.2 record-level ledger. Beside the pool
+lies its claim key (:func:`claim_key`), with which the server-operated A.2 node tags the DP-SGD
+step it reports, so that the server accounts no other node's claim."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import secrets
 import sqlite3
 import time
 from collections import Counter
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nimmer_train.artifacts import write_secret
 from nimmer_train.errors import NimmerError
 from nimmer_train.privacy.anonymize import Upload
 
@@ -138,3 +143,35 @@ def noised_counts(
         "noise_std": std,
         "noise_multiplier": noise_multiplier,
     }
+
+
+CLAIM_KEY_BYTES = 32  # of entropy; the file holds them hex-encoded
+
+
+def claim_key_path(pool: Path) -> Path:
+    return pool.with_name(f"{pool.name}.claim-key")
+
+
+def claim_key(pool: Path, create: bool = False) -> bytes:
+    """The secret the A.2 node tags its accounting claims with (``wire.a2_claim``), kept beside
+    the pool (mode 0600). The server creates it (``create``) when it starts with the pool; the
+    A.2 node only reads it, so an A.2 node whose pool no server knows trains nothing it could not
+    account. NimmerError naming the file when it is missing or too short."""
+    path = claim_key_path(pool)
+    if create and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # another process wrote it in between: theirs is it
+            write_secret(path, secrets.token_hex(CLAIM_KEY_BYTES).encode())
+    try:
+        key = path.read_bytes().strip()
+    except FileNotFoundError:
+        raise NimmerError(
+            f"no A.2 claim key at {path}: the federation server writes it when it starts with this pool "
+            "(run config a2-pool); start the server with the pool before the A.2 node trains"
+        ) from None
+    if len(key) < 2 * CLAIM_KEY_BYTES:
+        raise NimmerError(
+            f"the A.2 claim key {path} is shorter than {2 * CLAIM_KEY_BYTES} characters: delete it and "
+            "restart the federation server with the pool, which writes a new one"
+        )
+    return key

@@ -20,9 +20,9 @@ from nimmer_train.federation import budget, rounds
 from nimmer_train.federation.client import Contributor, Node, example_text
 from nimmer_train.federation.local_training import LocalTrainingConfig, load_trainable, train_locally
 from nimmer_train.federation.strategy import fit_config
-from nimmer_train.federation.wire import A2_METRICS, get_arrays
+from nimmer_train.federation.wire import A2_KEY_ID, A2_METRICS, A2_NONCE, a2_key_id, get_arrays
 from nimmer_train.memory.synthetic import heldout_examples
-from nimmer_train.privacy.a2_pool import A2Pool
+from nimmer_train.privacy.a2_pool import A2Pool, claim_key
 from nimmer_train.privacy.anonymize import anonymize
 
 
@@ -62,6 +62,7 @@ def _pool(folder: Path, examples: int) -> Path:
     for i, part in enumerate((rows[:half], rows[half:])):
         pool.add(anonymize(part, f"player-{i}", f"Name{i}"))
     pool.close()
+    claim_key(path, create=True)  # as the server started with this pool writes it
     return path
 
 
@@ -80,7 +81,9 @@ def test_the_a2_nodes_accounting_step_does_not_depend_on_the_pools_size(
     steps = set()
     for examples in (48, 49, 300):  # 300: beyond max_examples (256), every example is still used
         node = Node(base, adapter, a2_pool=_pool(tmp_path, examples))
-        _, _, metrics = Contributor(node).fit(arrays, config)
+        # the round's claim nonce and key id, as NoisyMean sends them to a server's own A.2 node
+        claims = {A2_NONCE: "n", A2_KEY_ID: a2_key_id(claim_key(node.a2_pool))}  # type: ignore[arg-type]
+        _, _, metrics = Contributor(node).fit(arrays, {**config, **claims})
         steps.add(tuple(metrics[k] for k in A2_METRICS))
     assert len(steps) == 1 and steps == {budget.planned_a2(settings)}  # before: 1/3, 1/4, 1/16
     assert budget.planned_a2(settings)[1] == 1 / 16  # batch_size / max_examples, whatever the pool

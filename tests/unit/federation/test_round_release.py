@@ -20,19 +20,29 @@ from nimmer_train.config.federated import FederatedConfig, SecAggConfig, UserDPC
 from nimmer_train.federation import budget
 from nimmer_train.federation.mods import contribution
 from nimmer_train.federation.strategy import NoisyMean, fit_config
-from nimmer_train.federation.wire import A2_METRICS, AdapterSpec, indicator_value
+from nimmer_train.federation.wire import A2_METRICS, A2_TAG, AdapterSpec, a2_claim_tag, indicator_value
 from nimmer_train.privacy.accounting import Ledger
 
 SPEC = AdapterSpec(("a", "b"), ((6, 4), (9,)))
+KEY = b"0" * 64  # the A.2 pool's claim key (privacy.a2_pool.claim_key), as the server holds it
+
+
+def _claim(strategy: NoisyMean, step: tuple, server_round: int = 1) -> dict:
+    """The A.2 metrics of ``step``, tagged under KEY as the pool's A.2 node tags them."""
+    tag = a2_claim_tag(KEY, server_round, strategy.claim_nonce, tuple(step))
+    return {**dict(zip(A2_METRICS, step, strict=True)), A2_TAG: tag}
 
 
 def _fit_res(arrays: list[np.ndarray], metrics: dict | None = None) -> tuple[None, FitRes]:
     return None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 1, metrics or {})
 
 
-def _results(a1: int, others: int, settings: FederatedConfig, a2: list[tuple] = ()) -> list[tuple]:
+def _results(
+    a1: int, others: int, settings: FederatedConfig, a2: list[tuple] = (), strategy: NoisyMean | None = None
+) -> list[tuple]:
     """FitRes of ``a1`` real A.1 contributions, ``others`` empty ones (opt-out, A.2 devices), and
-    one per A.2 node step in ``a2``, as the plain (non-SecAgg) workflow hands them over."""
+    one per A.2 node step in ``a2`` (tagged for ``strategy``), as the plain (non-SecAgg) workflow
+    hands them over."""
     rng = np.random.default_rng(0)
     out = []
     for i in range(a1 + others + len(a2)):
@@ -42,8 +52,8 @@ def _results(a1: int, others: int, settings: FederatedConfig, a2: list[tuple] = 
         arrays = contribution(update, i < a1, settings.user_dp.clipping_norm, 0.0)
         metrics = {}
         if i >= a1 + others:
-            noise, rate, steps = a2[i - a1 - others]
-            metrics = {"a2-noise": noise, "a2-sample-rate": rate, "a2-steps": steps}
+            assert strategy is not None
+            metrics = _claim(strategy, a2[i - a1 - others])
         out.append((None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 1, metrics)))
     return out
 
@@ -123,11 +133,11 @@ def test_the_noise_on_the_sum_has_std_z_c_on_every_coordinate_and_the_indicator(
 def test_every_a2_node_of_a_round_is_accounted() -> None:
     """Item 6: two A.2 nodes in one round: both DP-SGD runs reach the ledger (before, the last
     one's step overwrote the first's). Each claims the configured step, the only one the server
-    accepts (below)."""
+    accepts (below), tagged (tests/unit/federation/test_a2_step_claims.py)."""
     settings = FederatedConfig(min_participants=3, secagg=SecAggConfig(enabled=False))
-    strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC))
+    strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC), a2_key=KEY)
     a2 = [budget.planned_a2(settings)] * 2
-    strategy.aggregate_fit(1, _results(a1=3, others=1, settings=settings, a2=a2), [])
+    strategy.aggregate_fit(1, _results(a1=3, others=1, settings=settings, a2=a2, strategy=strategy), [])
     assert strategy.outcome.a2_steps == a2
 
 
@@ -143,18 +153,19 @@ def test_every_a2_node_of_a_round_is_accounted() -> None:
     ],
 )
 def test_a_node_cannot_claim_an_a2_step_other_than_the_configured_one(claim: tuple) -> None:
+    """Even tagged with the pool's key (a node without it is ignored: test_a2_step_claims.py)."""
     settings = FederatedConfig(min_participants=3, secagg=SecAggConfig(enabled=False))
-    strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC))
+    strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC), a2_key=KEY)
     forged = _fit_res(
         contribution([np.zeros(s) for s in SPEC.shapes], False, settings.user_dp.clipping_norm, 0.0),
-        dict(zip(A2_METRICS, claim, strict=True)),
+        _claim(strategy, claim),
     )
     released, _ = strategy.aggregate_fit(1, [*_results(a1=3, others=0, settings=settings), forged], [])
     assert released is None and not strategy.outcome.accepted and strategy.outcome.a2_steps == []
     assert strategy.outcome.reason.startswith("aggregate rejected: an A.2 accounting step")
     # the A.2 node's own claim is the configured step, and it is accounted
-    honest = _fit_res(parameters_of(forged), dict(zip(A2_METRICS, budget.planned_a2(settings), strict=True)))
-    strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC))
+    strategy = NoisyMean(settings, SPEC, fit_config(settings, SPEC), a2_key=KEY)
+    honest = _fit_res(parameters_of(forged), _claim(strategy, budget.planned_a2(settings)))
     strategy.aggregate_fit(1, [*_results(a1=3, others=0, settings=settings), honest], [])
     assert strategy.outcome.accepted and strategy.outcome.a2_steps == [budget.planned_a2(settings)]
     assert Ledger(settings.delta).after(None, strategy.outcome.a2_steps)["a2_record_level"] > 0
