@@ -26,9 +26,13 @@ EMAIL_AT = re.compile(r"@[\w-]+(?:\.[\w-]+)+")
 # a scheme or www. to the next space or quote, or a whole dotted run (its host) and its path
 URL_ANY = re.compile(
     r"(?P<prefixed>(?:https?://|www\.)[^\s<>\"']++)"
-    r"|(?P<host>(?<![\w-])[\w-]++(?:\.[\w-]++)++)(?:/[^\s<>\"']*+)?",
+    r"|(?P<host>(?<![\w-])[\w-]++(?:\.[\w-]++)++)",
     re.I,
 )
+# A host's path, taken only once the host is a domain: matched with the host, a run that is no
+# domain would take the rest of the text as its path and the next search would start inside it
+# again (quadratic on "a.b/" * n).
+URL_PATH = re.compile(r"/[^\s<>\"']*+")
 URL_PREFIX = re.compile(r"https?://|www\.", re.I)
 URL_PREFIXED = re.compile(r"(?:https?://|www\.)[^\s<>\"']++", re.I)
 TLD_LABEL = re.compile(rf"(?:{'|'.join(TLDS)})(?!\w)", re.I)
@@ -134,8 +138,9 @@ def _urls(text: str) -> str:
             elif prefixed := URL_PREFIXED.match(text, start + domain[0]):  # it comes first
                 start, end = prefixed.span()
             else:
-                start, cut = start + domain[0], start + domain[1]
-                end = end if cut == host_end else cut
+                start, end = start + domain[0], start + domain[1]
+                if end == host_end and (path := URL_PATH.match(text, host_end)):
+                    end = path.end()
         out += [text[pos:start], "[url]"]
         pos = end
     return "".join(out) + text[pos:]

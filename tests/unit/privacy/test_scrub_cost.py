@@ -22,6 +22,7 @@ ADVERSARIAL = {
     "local parts": "a.a@",
     "glued emails": "a@b.io+",
     "hyphen words": "a-",
+    "dotted runs with paths": "a.b/",  # a run that is no domain must not take the rest as its path
 }
 
 
