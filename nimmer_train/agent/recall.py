@@ -232,9 +232,15 @@ def read_workspace_file(folder: Path, path: str) -> bytes:
         last = i == len(parts) - 1
         flags = os.O_RDONLY | NOFOLLOW | (os.O_NONBLOCK if last else _DIRECTORY)  # a FIFO never blocks
         fd = _open_at(fd, part, flags, path)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         raise NimmerError(f"path: {path!r} is not a regular file (a directory, a pipe or a device)")
+    if info.st_nlink > 1:  # a hard link names a file that may live outside the folder too
+        os.close(fd)
+        raise NimmerError(
+            f"path: {path!r} has other hard links; memory files are read only when they are the only name"
+        )
     with os.fdopen(fd, "rb") as fh:
         return fh.read()
 

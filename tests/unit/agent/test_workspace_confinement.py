@@ -21,7 +21,9 @@ from mcp import Client
 
 from nimmer_train.agent.ingestion import ingest_workspace
 from nimmer_train.agent.mcp_server import build_server
+from nimmer_train.agent.recall import read_workspace_file
 from nimmer_train.agent.tools import memory_tools
+from nimmer_train.errors import NimmerError
 from tests.helpers.memory import agent_memory
 
 OUTSIDE = "-----BEGIN OPENSSH PRIVATE KEY----- the harbourmaster's vault opens with brass-owl-1743"
@@ -120,3 +122,16 @@ def test_ingestion_does_not_index_a_linked_file_outside_the_folder(
         assert "notes.md" in messages and "symbolic link" in messages
     finally:
         agent.close()
+
+
+def test_memory_get_refuses_a_hard_linked_file(tmp_path: Path) -> None:
+    """A hard link is no symlink, but it names a file outside the folder just the same."""
+    outside = tmp_path / "outside.md"
+    outside.write_text("SECRET outside\n")
+    agent = tmp_path / "agent"
+    (agent / "memory").mkdir(parents=True)
+    os.link(outside, agent / "memory" / "hl.md")
+    with pytest.raises(NimmerError, match="hard links"):
+        read_workspace_file(agent, "memory/hl.md")
+    (agent / "memory" / "own.md").write_text("mine\n")
+    assert read_workspace_file(agent, "memory/own.md") == b"mine\n"
