@@ -29,7 +29,12 @@ EXPECTED = {  # text each notebook's outputs must show
         "Continued pretraining",
     ],
     "02_register_voices": ["hivemind-broadcast", "drunk-scavenger", "separability"],
-    "03_federation_and_privacy": ["participants", "heldout_loss", "epsilon_a1_user_level", "rejected"],
+    "03_federation_and_privacy": [
+        "a1_contributions_noised",
+        "heldout_loss",
+        "epsilon_a1_user_level",
+        "accepted",
+    ],
     "04_versions": ["nimmerworld-base-v1", "nimmerworld-base-v2", "production", "candidate", "signed_by"],
     "05_memory": [PLAYER_MARKER, AGENT_MARKER, "shareable_examples", "hormones over a simulated day"],
 }
