@@ -15,7 +15,9 @@ send to Ring C, its clasp layer withheld) is offered only the tools that read
 (agent.tools.READ_ONLY_TOOLS), and a call to any other tool is answered as an error without
 running, so no in-between line reaches the primary store through a note, a search log or a
 sync. The mode comes as ``mode``, or from :func:`turn_mode`, which NpcRuntime.speak sets around
-generation (the Ring protocol's ``speak`` carries no mode).
+generation (the Ring protocol's ``speak`` carries no mode). Outside any turn, with no mode given,
+the loop fails closed: only the reading tools are offered, since nothing says the line is not an
+in-between one.
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ class ToolTurn:
     rounds: int = 0
 
 
-_TURN_MODE: ContextVar[Mode] = ContextVar("nimmer_turn_mode", default=Mode.REALWORLD)
+_TURN_MODE: ContextVar[Mode | None] = ContextVar("nimmer_turn_mode", default=None)
 
 
 @contextmanager
 def turn_mode(mode: Mode) -> Iterator[None]:
-    """Within this block, Ring C's tool loop serves a turn in ``mode`` (outside any turn: REALWORLD)."""
+    """Within this block, Ring C's tool loop serves a turn in ``mode`` (outside any turn: the
+    reading tools only, as for an in-between turn)."""
     token = _TURN_MODE.set(mode)
     try:
         yield
@@ -66,9 +69,9 @@ def turn_mode(mode: Mode) -> Iterator[None]:
         _TURN_MODE.reset(token)
 
 
-def offered_tools(registry: ToolRegistry, mode: Mode) -> list[str]:
+def offered_tools(registry: ToolRegistry, mode: Mode | None) -> list[str]:
     """The tools a turn in ``mode`` may offer a remote ring: all of them in the realworld, the
-    read-only ones in the in-between."""
+    read-only ones in the in-between or when the mode is unknown (None)."""
     return [n for n in registry.names() if mode is Mode.REALWORLD or n in READ_ONLY_TOOLS]
 
 

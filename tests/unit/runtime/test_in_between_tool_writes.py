@@ -97,3 +97,31 @@ def test_a_realworld_turn_on_ring_c_keeps_every_memory_tool(
     assert dict((c.name, c.ok) for c in ring.tool_calls)["working_memory_note"] is True
     agent.close()
     assert PLANTED in (tmp_path / "memory" / "scratch.md").read_text()
+
+
+def test_ring_c_outside_a_turn_offers_no_writing_tools(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller that reaches Ring C's tool loop without NpcRuntime.speak (no turn_mode set) cannot
+    know the line is not an in-between one: the loop fails closed and offers only the reading
+    tools, and a writing call it gets anyway is refused unrun."""
+    from nimmer_train.runtime.rings import keyed_teacher
+    from nimmer_train.runtime.tool_calls import chat_with_tools, offered_tools
+    from nimmer_train.voice.composition import GenerationRequest
+    from nimmer_train.voice.sampling import SamplingKnobs
+
+    monkeypatch.setenv("PLAYER_KEY", "sk-player")
+    registry = memory_tools(agent_memory(tmp_path))
+    assert set(WRITING) <= set(offered_tools(registry, Mode.REALWORLD))  # a realworld turn: all
+    assert not set(WRITING) & set(offered_tools(registry, None))  # no turn: the readers only
+    knobs = SamplingKnobs(temperature=0.7, top_p=0.9, top_k=40, repetition_penalty=1.1, min_p=0.0)
+    messages = [{"role": "user", "content": PLANTED}]
+    with serve(_writes_everything) as server:
+        cfg = RingConfig(ring="C", base_url=f"{server.url}/v1", model="gpt-x", api_key_env="PLAYER_KEY")
+        teacher = keyed_teacher(cfg.teacher(64), cfg.api_key)
+        turn = chat_with_tools(teacher, GenerationRequest("r", {}, None, messages, knobs, key=""), registry)  # type: ignore[arg-type]
+        first = server.requests[0]
+    offered = [t["function"]["name"] for t in first["tools"]]
+    assert offered and set(offered) <= READ_ONLY_TOOLS
+    assert [(c.name, c.ok) for c in turn.calls] == [(name, False) for name in WRITING]
+    assert not _holding(tmp_path, PLANTED)
