@@ -315,6 +315,8 @@ class Exchange:
         None  # the consent category (the runtime's turns: casual_dialog); None: the agent's
     )
     enqueued: float = field(default_factory=time.monotonic)
+    valence: float = 0.0  # the turn's emotional valence (affect and detected events), in [-1, 1]
+    traits: dict[str, float] = field(default_factory=dict)  # the trait profile of the register that heard it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", as_mode(self.mode))
@@ -387,7 +389,9 @@ def exchange_specs(exchange: Exchange, max_chars: int = 4000) -> list[CrystalSpe
             turn_ids=exchange.turn_ids,
             speaker=speaker,
             valid_from=exchange.at,
-            entry_fields=dict(category),  # in the in-between the store makes it clasp, whatever is asked
+            emotional_valence=exchange.valence,
+            # in the in-between the store makes it clasp, whatever is asked
+            entry_fields={**category, "trait_engagement": dict(exchange.traits)},
         )
         for text in texts
     ]
