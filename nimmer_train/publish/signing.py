@@ -157,8 +157,8 @@ class Keyring:
             public.verify(base64.b64decode(signature["signature"], validate=True), manifest_bytes)
         except (InvalidSignature, ValueError) as exc:
             raise SignatureError(
-                f"{what}: the signature does not verify against trusted key {kid}; the manifest was "
-                "changed after signing"
+                f"{what}: the signature does not verify against trusted key {kid}; it was changed "
+                "after signing"
             ) from exc
         return kid
 
