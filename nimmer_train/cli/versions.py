@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from nimmer_train.cli.common import trusted_keys
+from nimmer_train.errors import NimmerError
 from nimmer_train.publish import mlflow_registry
+from nimmer_train.publish.index import INDEX, NEWEST, write_index
 from nimmer_train.publish.listing import print_versions, privacy_report
 from nimmer_train.publish.manifest import SIGNATURE
-from nimmer_train.publish.pull import pull_version
+from nimmer_train.publish.pull import is_version_location, pull_from_mirror, pull_version
 from nimmer_train.publish.registry import REGISTRY_FILE, Registry
-from nimmer_train.publish.signing import Keyring
+from nimmer_train.publish.signing import Keyring, load_private
 from nimmer_train.publish.versions import verify_version
 
 
@@ -35,10 +37,31 @@ def register(parser: argparse.ArgumentParser) -> None:
         cmd.add_argument("version", help="vN, nimmerworld-base-vN, candidate or production")
         if name == "promote":
             cmd.add_argument("--alias", default="production")
+            cmd.add_argument(
+                "--signing-key",
+                type=Path,
+                default=None,
+                help=f"re-signs RELEASES/{INDEX} when there is one (default: RELEASES/../keys/publisher.key)",
+            )
     pull = vcmd.add_parser("pull", help="fetch a version (resumable), verify it, register it here")
     _release_options(pull, defaults=False)
-    pull.add_argument("source", help="a version folder's http(s) URL or path (.../nimmerworld-base-vN)")
-    pull.add_argument("--alias", default="production", help="point this alias at it (default: production)")
+    pull.add_argument(
+        "source",
+        help="a version folder's http(s) URL or path (.../nimmerworld-base-vN), or a mirror's releases "
+        f"folder (its signed {INDEX} names the versions: see --version)",
+    )
+    pull.add_argument(
+        "--version",
+        dest="select",
+        default=None,
+        help=f"from a mirror: {NEWEST}, an alias of the mirror's (production, candidate) or vN "
+        "(default: production)",
+    )
+    pull.add_argument(
+        "--alias",
+        default="",
+        help="point this alias here at it (default: production; none when following the mirror's candidate)",
+    )
     pull.add_argument("--no-alias", dest="alias", action="store_const", const=None, help="only register it")
     pull.add_argument(
         "--allow-downgrade", action="store_true", help="let the alias move to an older version (a rollback)"
@@ -122,6 +145,9 @@ def _verify(args: argparse.Namespace, releases: Path) -> None:
 
 
 def _promote(args: argparse.Namespace, releases: Path) -> None:
+    signing_key = args.signing_key or releases.parent / "keys" / "publisher.key"
+    if (releases / INDEX).exists():  # a mirror's releases: its signed index moves with the alias
+        load_private(signing_key)  # the key is there before anything moves
     registry = Registry.open(releases)
     try:
         with registry.writing():
@@ -134,11 +160,33 @@ def _promote(args: argparse.Namespace, releases: Path) -> None:
             print(f"MLflow: {mlflow_registry.BASE_MODEL}@{args.alias} -> version {numbers[version.label]}")
     finally:
         registry.close()
+    if (releases / INDEX).exists():
+        index = write_index(releases, signing_key)
+        print(
+            f"signed index {releases / INDEX}: sequence {index['sequence']}, {args.alias} -> {version.label}"
+        )
 
 
 def _pull(args: argparse.Namespace, releases: Path) -> None:
     keyring = Keyring.load(trusted_keys(args))
-    got = pull_version(releases, args.source, keyring, args.alias, allow_downgrade=args.allow_downgrade)
+    if is_version_location(args.source):
+        if args.select is not None:
+            raise NimmerError(
+                f"{args.source} is one version's folder; --version {args.select} picks a version from a "
+                "mirror: give the mirror's releases folder (the URL or path above the version)"
+            )
+        alias = "production" if args.alias == "" else args.alias
+        got = pull_version(releases, args.source, keyring, alias, allow_downgrade=args.allow_downgrade)
+    else:
+        select = args.select or "production"
+        alias = args.alias if args.alias != "" else None if select == "candidate" else "production"
+        index, got = pull_from_mirror(
+            releases, args.source, select, keyring, alias, allow_downgrade=args.allow_downgrade
+        )
+        print(
+            f"the mirror's signed index (sequence {index['sequence']}, {index['issued_at']}): "
+            f"{select} is {got.label}"
+        )
     moved = f"; {got.alias} -> {got.label}" if got.alias else ""
     if got.discarded:
         print(f"deleted from the staging folder, not in the manifest: {', '.join(got.discarded)}")

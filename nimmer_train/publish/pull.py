@@ -46,6 +46,7 @@ import httpx
 from nimmer_train.artifacts import MANIFEST, NOFOLLOW, fsync_dir, fsync_tree, sha256_file
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import read_metadata
+from nimmer_train.publish.index import INDEX, SEEN_SETTING, read_index, resolve
 from nimmer_train.publish.manifest import (
     FORMAT,
     SIGNATURE,
@@ -111,24 +112,21 @@ class Source:
         base = self.root if lora else self.location if self.http else str(self.folder)
         return f"{base}/{rel}"
 
-    def read(self, rel: str) -> bytes:
-        """A small file of the version folder (manifest, signature), capped in size."""
+    def read(self, rel: str, hint: str = "a version folder") -> bytes:
+        """A small file of the version folder (manifest, signature) or of a mirror's root (its
+        index), capped in size; ``hint``: what the location should be, for the error."""
         where = self.where(rel)
         if not self.http:
             path = Path(where)
             if path.is_symlink() or not path.is_file():
-                raise PullError(
-                    f"{where}: missing or not a regular file; is {self.location} a version folder?"
-                )
+                raise PullError(f"{where}: missing or not a regular file; is {self.location} {hint}?")
             if path.stat().st_size > MAX_MANIFEST_BYTES:
                 raise IntegrityError(f"{where} is larger than {MAX_MANIFEST_BYTES} bytes; refused")
             return path.read_bytes()
         try:
             with _get(self.client, where, IDENTITY) as reply:
                 if reply.status_code != 200:
-                    raise PullError(
-                        f"GET {where}: HTTP {reply.status_code}; is {self.location} a version URL?"
-                    )
+                    raise PullError(f"GET {where}: HTTP {reply.status_code}; is {self.location} {hint}?")
                 _plain(reply, where)
                 body = b""
                 for chunk in reply.iter_bytes():
@@ -362,21 +360,29 @@ def pull_version(
     alias: str | None = "production",
     client: httpx.Client | None = None,
     allow_downgrade: bool = False,
+    manifest_sha256: str | None = None,
 ) -> PullResult:
     """Pull the version at ``location`` into ``releases`` (see the module docstring) and point
     ``alias`` at it (never to an older version unless ``allow_downgrade``); the same version
-    pulled again is verified and only moves the alias, or is repaired when it fails."""
+    pulled again is verified and only moves the alias, or is repaired when it fails.
+    ``manifest_sha256`` (from a mirror's signed index): the only manifest accepted."""
     started = time.perf_counter()
     source = Source(location, client)
     try:
-        return _pull(releases, source, keyring, alias, allow_downgrade, started)
+        return _pull(releases, source, keyring, alias, allow_downgrade, started, manifest_sha256)
     finally:
         if client is None and source.http:
             source.client.close()
 
 
 def _pull(
-    releases: Path, source: Source, keyring: Keyring, alias: str | None, downgrade: bool, started: float
+    releases: Path,
+    source: Source,
+    keyring: Keyring,
+    alias: str | None,
+    downgrade: bool,
+    started: float,
+    expect: str | None = None,
 ) -> PullResult:
     raw, sig_raw, key_id, manifest = _signed_manifest(source, keyring)
     label, number = _label(manifest)
@@ -385,9 +391,14 @@ def _pull(
             f"{source.location} names {source.name}, but its signed manifest is {label}: the source "
             "serves another version than the one asked for; refused, nothing was fetched"
         )
+    digest = hashlib.sha256(raw).hexdigest()
+    if expect is not None and digest != expect:
+        raise IntegrityError(
+            f"{source.where(MANIFEST)} (sha256 {digest[:12]}) is not the manifest the mirror's signed "
+            f"index names for {label} ({expect[:12]}); refused, nothing else was fetched"
+        )
     files = manifest["blob_distribution"]["files"]
     loras = [c for c in manifest.get("compatible_loras", []) if isinstance(c, dict)]
-    digest = hashlib.sha256(raw).hexdigest()
     _drop_finished(releases)
     recorded = _registered(releases, manifest, label, number)
     if alias and not downgrade and (releases / REGISTRY_FILE).exists():
@@ -439,6 +450,81 @@ def _pull(
         repair,
         tuple(discarded),
     )
+
+
+def is_version_location(location: str) -> bool:
+    """Whether ``location`` names a version folder (``.../nimmerworld-base-vN``), not a mirror."""
+    location = location.rstrip("/")
+    if location.endswith(f"/{MANIFEST}"):
+        location = location[: -len(MANIFEST) - 1]
+    return re.fullmatch(rf"{PREFIX}\d+", re.split(r"[/\\]", location)[-1]) is not None
+
+
+def pull_from_mirror(
+    releases: Path,
+    mirror: str,
+    selector: str,
+    keyring: Keyring,
+    alias: str | None = "production",
+    client: httpx.Client | None = None,
+    allow_downgrade: bool = False,
+) -> tuple[dict[str, Any], PullResult]:
+    """Pull the version that ``selector`` (``newest``, an alias, ``vN``) names in the signed index
+    of the mirror at ``mirror`` (its releases folder: URL or path); returns the index and the
+    pull. The index is verified, refused when older than one this device read from the same
+    mirror, and the version's manifest must be the one the index names."""
+    source = Source(mirror, client)
+    try:
+        where = source.where(INDEX)
+        hint = f"a mirror's releases folder (publish writes {INDEX} there), or give a version URL"
+        index, _ = read_index(source.read(INDEX, hint), keyring, where)
+        entry = resolve(index, selector, where)
+        _refuse_stale(releases, index, where)
+        result = pull_version(
+            releases,
+            source.where(entry["label"]),
+            keyring,
+            alias,
+            client=source.client if source.http else None,
+            allow_downgrade=allow_downgrade,
+            manifest_sha256=entry["manifest_sha256"],
+        )
+    finally:
+        if client is None and source.http:
+            source.client.close()
+    _record_seen(releases, index)
+    return index, result
+
+
+def _refuse_stale(releases: Path, index: dict[str, Any], where: str) -> None:
+    """PullError when this device already read a later index from the same mirror (index_id): a
+    mirror serving an old, validly signed index must not roll back what newest means."""
+    if not (releases / REGISTRY_FILE).exists():
+        return
+    registry = Registry.open(releases)
+    try:
+        seen = registry.setting(SEEN_SETTING + index["index_id"])
+    finally:
+        registry.close()
+    if seen is not None and int(seen) > index["sequence"]:
+        raise PullError(
+            f"the mirror's index {where} is sequence {index['sequence']} (issued "
+            f"{index.get('issued_at')}), older than sequence {seen} this device already read from that "
+            "publisher: a stale or rolled-back mirror; refused, nothing was fetched"
+        )
+
+
+def _record_seen(releases: Path, index: dict[str, Any]) -> None:
+    """Remember the highest index sequence read from this publisher (``_refuse_stale``)."""
+    registry = Registry.open(releases, create=True)
+    try:
+        with registry.writing():
+            key = SEEN_SETTING + index["index_id"]
+            seen = registry.setting(key)
+            if seen is None or int(seen) < index["sequence"]:
+                registry.set_setting(key, str(index["sequence"]))
+    finally:
+        registry.close()
 
 
 def _signed_manifest(source: Source, keyring: Keyring) -> tuple[bytes, bytes, str, dict[str, Any]]:
