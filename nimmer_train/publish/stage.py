@@ -20,6 +20,7 @@ from nimmer_train.config import Config
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import METADATA, read_metadata
 from nimmer_train.publish import mlflow_registry
+from nimmer_train.publish.index import write_index
 from nimmer_train.publish.rebase import carry, log_decisions, rebase
 from nimmer_train.publish.registry import Registry, Version
 from nimmer_train.publish.release import PublishRequest, already_published, publish_version, stage_merge
@@ -221,6 +222,7 @@ def publish_stage(
                     log_decisions(carried)
         if p.promote_first:
             _promote_first(releases, published[0])
+        write_index(releases, key)  # the mirror's signed index: versions, newest, aliases (publish/index.py)
         if run_id:
             uri = cfg.tracking.tracking_uri()
             registry = Registry.open(releases)
