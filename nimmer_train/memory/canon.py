@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nimmer_train.errors import NimmerError
-from nimmer_train.memory.player_memory import Mode, PlayerMemory
+from nimmer_train.memory.player_memory import Mode, PlayerMemory, Retrieved
 from nimmer_train.voice.prompt_dsl import MemoryScope
 
 PRIORITY_ORDER = {"urgent": 0, "normal": 1, "background": 2}
@@ -119,6 +119,8 @@ def assemble(
     count: Callable[[str], int] = word_tokens,
     k: int = 8,
     local: bool = False,
+    exclude: frozenset[str] = frozenset(),  # event_uids left out (the lines already in the prompt)
+    item: Callable[[Retrieved], str] = lambda hit: hit.entry.text,  # how a memory shows (dated: turn.py)
 ) -> MemoryScope:
     """The turn's knowledge stack as the prompt DSL's memory_scope, each layer within its budget.
 
@@ -136,10 +138,10 @@ def assemble(
         "district": _canon_layer(memory, district, ("district", "local")),
     }
     with_clasp = mode is Mode.IN_BETWEEN and local
-    hits = memory.retrieve(query, k=k, mode=mode if with_clasp else Mode.REALWORLD)
-    layers["primary"] = [h.entry.text for h in hits if h.store == "primary"]
+    hits = memory.retrieve(query, k=k, mode=mode if with_clasp else Mode.REALWORLD, exclude=exclude)
+    layers["primary"] = [item(h) for h in hits if h.store == "primary"]
     if with_clasp:
-        layers["clasp"] = [h.entry.text for h in hits if h.store == "clasp"]
+        layers["clasp"] = [item(h) for h in hits if h.store == "clasp"]
     names = tuple(name for name in ("world", "district", "primary", "clasp") if name in layers)
     items = tuple(line for name in names for line in _within(layers[name], budgets.get(name, 0), count))
     return MemoryScope(layers=names, items=items)
