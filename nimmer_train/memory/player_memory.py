@@ -220,16 +220,22 @@ class PlayerMemory:
         mode: Mode = Mode.REALWORLD,
         classes: Iterable[str] | None = None,
         categories: Iterable[str] | None = None,
+        exclude: Iterable[str] = (),
     ) -> list[Retrieved]:
-        """The top ``k`` entries for ``query`` by the combined score, from the stores ``mode`` allows."""
+        """The top ``k`` entries for ``query`` by the combined score, from the stores ``mode`` allows;
+        entries whose event_uid is in ``exclude`` (e.g. lines already in the prompt's conversation
+        window) are neither returned nor marked accessed."""
         mode = as_mode(mode)
         vector = query if isinstance(query, np.ndarray) else self.embedder.embed([query])[0]
         stores = ["primary", "clasp"] if mode is Mode.IN_BETWEEN else ["primary"]
+        skip = set(exclude)
         now = self.clock()
         found: list[tuple[Retrieved, int]] = []
         for name in stores:
-            for rowid, distance, row in self._candidates(name, vector, k, classes, categories):
+            for rowid, distance, row in self._candidates(name, vector, k + len(skip), classes, categories):
                 entry = MemoryEntry.from_row(row)
+                if entry.event_uid in skip:
+                    continue
                 relevance = max(0.0, 1.0 - distance)
                 hours = max(0.0, now - (entry.last_access or entry.created_at)) / 3600
                 recency = self.weights.recency_decay_per_hour**hours
@@ -275,6 +281,22 @@ class PlayerMemory:
             row = db.execute(f"SELECT {', '.join(COLUMNS)} FROM entries WHERE id = ?", (rowid,)).fetchone()
             out.append((rowid, distance, row))
         return out
+
+    def has(self, event_uid: str, mode: Mode = Mode.REALWORLD) -> bool:
+        """Whether the store ``mode`` writes to holds ``event_uid`` (a retried write checks first)."""
+        db = self._store("clasp" if as_mode(mode) is Mode.IN_BETWEEN else "primary")
+        return db.execute("SELECT 1 FROM entries WHERE event_uid = ?", (event_uid,)).fetchone() is not None
+
+    def session_entries(self, session_id: str, mode: Mode, limit: int) -> list[MemoryEntry]:
+        """The newest ``limit`` entries of ``session_id`` in the store ``mode`` writes to (the clasp
+        in IN_BETWEEN), newest first: an in-between conversation's lines live only there."""
+        db = self._store("clasp" if as_mode(mode) is Mode.IN_BETWEEN else "primary")
+        rows = db.execute(
+            f"SELECT {', '.join(COLUMNS)} FROM entries WHERE session_id = ? "
+            "ORDER BY created_at DESC, id DESC LIMIT ?",
+            (session_id, limit),
+        )
+        return [MemoryEntry.from_row(row) for row in rows]
 
     def entries(self, categories: Iterable[str] | None = None) -> list[MemoryEntry]:
         """Every primary entry (optionally of some categories). Never reads the clasp store."""

@@ -6,6 +6,11 @@ turn_intent, zone_context and output_schema, and its two renderings.
 - :func:`render_projection`: the design's degradation path for models without LoRAs: the trait
   vector projected into a system message ("You are speaking as ... Respond in JSON matching").
 
+Both put the conversation so far (``TurnPrompt.conversation``: the last turns, verbatim, oldest
+first) between the system message and the player's line, as chat turns: the player's lines as
+``user`` messages, the NPC's as ``assistant`` messages in the one reply form; so every ring, with a
+LoRA or without, sees the same history. Memory items carry their date (:func:`memory_item`).
+
 A reply (one NPC turn) has one text form, :func:`render_reply`: properties in the schema's order,
 ``json.dumps``' default separators ``", "`` and ``": "``, no ASCII escaping. Training targets are
 rendered with it, the runtime grammar accepts exactly it (:data:`REPLY_GRAMMAR_OPTIONS`), and
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -52,6 +58,16 @@ class PromptError(ValueError):
     """A DSL object that breaks the schema; the message names the field."""
 
 
+PLAYER, NPC = "player", "npc"  # the speakers of a conversation line
+
+
+def memory_item(text: str, at: float, speaker: str | None = None) -> str:
+    """A remembered line as the prompt shows it: its date (UTC, to the minute) first, so an NPC can
+    answer "when", then who said it (when known) and the words."""
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(at))
+    return f"[{when}] {speaker}: {text}" if speaker else f"[{when}] {text}"
+
+
 class ReplyError(ValueError):
     """A reply that does not satisfy the turn's output_schema; ``reason`` classifies it."""
 
@@ -84,11 +100,17 @@ class TurnPrompt:
     zone_context: str
     output_schema: dict[str, Any] = field(default_factory=lambda: dict(TURN_SCHEMA))
     player_utterance: str = ""
+    # the last turns of this conversation, oldest first, as (PLAYER or NPC, words); the runtime
+    # keeps it within the ring's context (runtime/conversation.py)
+    conversation: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("role", "turn_intent", "zone_context"):
             if not str(getattr(self, name)).strip():
                 raise PromptError(f"{name}: must not be empty")
+        for i, line in enumerate(self.conversation):
+            if len(line) != 2 or line[0] not in (PLAYER, NPC) or not isinstance(line[1], str):
+                raise PromptError(f"conversation[{i}]: must be ({PLAYER!r} or {NPC!r}, text), got {line!r}")
         try:
             check_vector(self.trait_vector, "trait_vector")
         except ValueError as exc:
@@ -107,6 +129,7 @@ class TurnPrompt:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["memory_scope"] = {k: list(v) for k, v in data["memory_scope"].items()}
+        data["conversation"] = [list(line) for line in self.conversation]
         return data
 
     @classmethod
@@ -121,7 +144,29 @@ class TurnPrompt:
             zone_context=data["zone_context"],
             output_schema=data.get("output_schema", dict(TURN_SCHEMA)),
             player_utterance=data.get("player_utterance", ""),
+            conversation=tuple((str(w), str(t)) for w, t in data.get("conversation", ())),
         )
+
+
+def conversation_messages(conversation: tuple[tuple[str, str], ...]) -> list[dict[str, str]]:
+    """The conversation so far as chat turns: the player's lines as ``user`` messages, the NPC's
+    as ``assistant`` messages in the one reply form (:func:`render_reply`)."""
+    return [
+        {"role": "user", "content": text}
+        if speaker == PLAYER
+        else {"role": "assistant", "content": render_reply({"utterance": text})}
+        for speaker, text in conversation
+    ]
+
+
+def conversation_tokens(speaker: str, text: str, count: Any) -> int:
+    """What one conversation line costs in the prompt, by ``count`` (a ring's token count): its
+    message as rendered plus the chat template's markers around a message."""
+    content = text if speaker == PLAYER else render_reply({"utterance": text})
+    return count(content) + MESSAGE_OVERHEAD
+
+
+MESSAGE_OVERHEAD = 6  # chat-template tokens around one message (role markers, separators)
 
 
 def _ordered(vector: dict[str, float]) -> list[tuple[str, float]]:
@@ -138,14 +183,23 @@ def render_compact(prompt: TurnPrompt) -> list[dict[str, str]]:
     if body["output_schema"] == TURN_SCHEMA:
         del body["output_schema"]
     utterance = body.pop("player_utterance")
+    del body["conversation"]
     system = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-    return [{"role": "system", "content": system}, {"role": "user", "content": utterance}]
+    return [
+        {"role": "system", "content": system},
+        *conversation_messages(prompt.conversation),
+        {"role": "user", "content": utterance},
+    ]
 
 
 def parse_compact(messages: list[dict[str, str]]) -> TurnPrompt:
     """The TurnPrompt that :func:`render_compact` rendered into ``messages``."""
     data = json.loads(messages[0]["content"])
-    data["player_utterance"] = messages[1]["content"]
+    data["player_utterance"] = messages[-1]["content"]
+    data["conversation"] = [
+        (PLAYER, m["content"]) if m["role"] == "user" else (NPC, json.loads(m["content"])["utterance"])
+        for m in messages[1:-1]
+    ]
     return TurnPrompt.from_dict(data)
 
 
@@ -177,6 +231,7 @@ def render_projection(prompt: TurnPrompt, register: Register | None = None) -> l
     ]
     return [
         {"role": "system", "content": "\n".join(lines)},
+        *conversation_messages(prompt.conversation),
         {"role": "user", "content": prompt.player_utterance},
     ]
 
