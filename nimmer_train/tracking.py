@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -35,12 +37,45 @@ def configure(cfg: TrackingConfig) -> str:
     return uri
 
 
-def ui_command(cfg: TrackingConfig) -> str:
-    """The exact command a reviewer runs to open these runs."""
+UI_HOST, UI_PORT = "127.0.0.1", 5000
+WORKFLOW_ML = "workflowType=machine_learning"  # the runs table, not the GenAI view
+
+
+def ui_command(cfg: TrackingConfig, pipeline: str = "run_all") -> str:
+    """How a reviewer opens these runs, as printed by the demo: the venv's ``mlflow ui`` with
+    absolute paths (it works from a fresh shell, where ``mlflow`` is not on PATH), then the URL of
+    ``pipeline``'s runs table. MLflow 3.17's UI opens an experiment in its GenAI view unless the
+    URL carries ``workflowType=machine_learning`` (inside the hash route: the UI's router reads it
+    there); the experiment's kind tag alone does not switch it."""
     if cfg.uri:
-        return f"open {cfg.uri} in a browser (tracking server)"
+        return f"open {runs_url(cfg, pipeline, cfg.uri)} in a browser (tracking server)"
+    mlflow_bin = Path(sys.prefix) / "bin" / "mlflow"  # the venv's own, not whatever PATH holds
     root = Path(cfg.artifact_root).resolve()
-    return f"mlflow ui --backend-store-uri {cfg.tracking_uri()} --default-artifact-root {root}"
+    command = (
+        f"{mlflow_bin} ui --backend-store-uri {cfg.tracking_uri()} --default-artifact-root {root} "
+        f"--host {UI_HOST} --port {UI_PORT}"
+    )
+    models = f"http://{UI_HOST}:{UI_PORT}/#/models?{WORKFLOW_ML}"
+    return f"{command}\n  then open {runs_url(cfg, pipeline)}\n  (published versions: {models})"
+
+
+def runs_url(cfg: TrackingConfig, pipeline: str = "run_all", server: str | None = None) -> str:
+    """The UI's runs table of ``pipeline``'s experiment in the embedded store (the experiment list
+    when it has no such experiment yet, or for a tracking server, which is not asked: an absent
+    one would hold this line for minutes of retries); ``server`` is the UI's address."""
+    base = (server or f"http://{UI_HOST}:{UI_PORT}").rstrip("/")
+    found = None
+    if not cfg.uri and Path(cfg.store).exists():  # (a missing SQLite store is not created by asking)
+        found = _experiment(cfg, f"{cfg.experiment_prefix}-{pipeline}")
+    route = f"experiments/{found.experiment_id}/runs" if found else "experiments"
+    return f"{base}/#/{route}?{WORKFLOW_ML}"
+
+
+def _experiment(cfg: TrackingConfig, name: str) -> Any:
+    try:
+        return MlflowClient(tracking_uri=cfg.tracking_uri()).get_experiment_by_name(name)
+    except mlflow.exceptions.MlflowException:  # a store that does not answer: the list still works
+        return None
 
 
 # The one-line description of each stage's run (MLflow's UI shows ``mlflow.note.content`` as the
@@ -110,7 +145,8 @@ def stage_run(
     if resume_run_id and _run_exists(resume_run_id):
         ctx = mlflow.start_run(run_id=resume_run_id, nested=parent is not None)
     else:
-        name = f"{stage} · {cfg.model.name} · {cfg.experiment_name} · {time.strftime('%m-%d %H:%M:%S')}"
+        label = f"{stage} {_job.name()}" if _job.space else stage  # a sweep's job: its swept values
+        name = f"{label} · {cfg.model.name} · {cfg.experiment_name} · {time.strftime('%m-%d %H:%M:%S')}"
         exp = parent.info.experiment_id if parent else experiment_id(cfg.tracking, pipeline)
         ctx = mlflow.start_run(experiment_id=exp, run_name=name, nested=parent is not None)
     with ctx as run:
@@ -118,8 +154,71 @@ def stage_run(
             log_config(cfg, stage)
         else:
             mlflow.set_tag("resumed", "true")
+        if _job.overrides:
+            mlflow.set_tags(_job.tags())
         yield run.info.run_id
         log_metric_histories(run.info.run_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobLabel:
+    """What the launching job says about itself (the Hydra entry point reads it from Hydra; the
+    library never imports Hydra): its command-line overrides, in a sweep (``-m``) the search space
+    (each swept key and its sweep, e.g. ``lora.rank: 4,8`` or an Optuna distribution), the sweep's
+    folder and this job's number. Every run is tagged ``override.<key>=<value>``; a sweep's job
+    runs are named by their swept values (``train_loras lora.rank=4 · ...``) and nest under one
+    parent run per sweep (:func:`sweep_parent`)."""
+
+    overrides: dict[str, str] = dataclasses.field(default_factory=dict)
+    space: dict[str, str] = dataclasses.field(default_factory=dict)
+    sweep: str | None = None  # the sweep's folder (hydra.sweep.dir); None: not a sweep
+    job: int = 0  # the job's number in its sweep (Hydra's hydra.job.num): the parent's metric step
+
+    def name(self) -> str:
+        return " ".join(f"{k}={self.overrides[k]}" for k in self.space if k in self.overrides)
+
+    def tags(self) -> dict[str, str]:
+        return {f"override.{k}": v[:5000] for k, v in self.overrides.items()}
+
+
+_job = JobLabel()
+
+
+def label_job(label: JobLabel) -> None:
+    """Name and tag the runs this process opens from now on by ``label`` (the entry point's call)."""
+    global _job
+    _job = label
+
+
+@contextlib.contextmanager
+def sweep_parent(cfg: Config, pipeline: str) -> Iterator[str | None]:
+    """In a sweep, the sweep's parent run (made by its first job, found by the sweep's folder by
+    the others) as the active run, so that this job's stage run nests under it as a child; yields
+    its id. Outside a sweep, inside another run or with tracking off: None."""
+    if _job.sweep is None or not cfg.tracking.enabled or mlflow.active_run():
+        yield None
+        return
+    configure(cfg.tracking)
+    exp = experiment_id(cfg.tracking, pipeline)
+    sweep_id = hashlib.sha256(_job.sweep.encode()).hexdigest()[:16]
+    found = MlflowClient().search_runs([exp], f"tags.sweep_id = '{sweep_id}'", max_results=1)
+    if found:
+        ctx = mlflow.start_run(run_id=found[0].info.run_id)
+    else:
+        space = ", ".join(f"{k}: {v}" for k, v in _job.space.items())
+        tags = {"sweep_id": sweep_id, "sweep_dir": _job.sweep, "stage": "sweep", "sweep.space": space}
+        note = f"Sweep of {pipeline} over {space}: one child run per job; metric objective by job number"
+        name = f"sweep {pipeline} · {Path(_job.sweep).name}"
+        ctx = mlflow.start_run(experiment_id=exp, run_name=name, tags=tags, description=note)
+    with ctx as run:
+        yield run.info.run_id
+
+
+def log_sweep_objective(parent: str | None, value: object) -> None:
+    """The job's return value (what the sweeper optimises) on the sweep's parent run, at the
+    job's number: the parent's ``objective`` curve is the search."""
+    if parent and isinstance(value, int | float) and not isinstance(value, bool):
+        MlflowClient().log_metric(parent, "objective", float(value), step=_job.job)
 
 
 def _run_exists(run_id: str) -> bool:
@@ -147,8 +246,19 @@ def log_config(cfg: Config, stage: str) -> None:
     )
 
 
-def log_dataset(path: Path, name: str, sha256: str, context: str, dataset: Any = None) -> None:
-    """Record an input dataset: mlflow.log_input plus our full sha256 as a tag."""
+def log_dataset(
+    path: Path,
+    name: str,
+    sha256: str,
+    context: str,
+    dataset: Any = None,
+    tags: dict[str, str] | None = None,
+) -> None:
+    """Record one of the run's inputs (a corpus split, the synthetic r1, a pool, an adapter, a
+    base's weights) as an MLflow dataset: ``mlflow.log_input`` with our sha256 (or fingerprint)
+    as its digest and in full as a tag. ``dataset`` (a HF ``Dataset``) adds its schema and row
+    count; without it the input is a meta dataset (source and digest only), which is all an
+    input whose contents must not leave the server (the A.2 pool) may be. The one home for this."""
     if not mlflow.active_run():
         return
     from mlflow.data.dataset_source_registry import resolve_dataset_source
@@ -161,7 +271,9 @@ def log_dataset(path: Path, name: str, sha256: str, context: str, dataset: Any =
             ds = mlflow.data.from_huggingface(dataset, name=name, digest=sha256[:32], source=source)
         else:
             ds = MetaDataset(source=source, name=name, digest=sha256[:32])
-        mlflow.log_input(ds, context=context, tags={"sha256": sha256, "path": str(path.resolve())})
+        mlflow.log_input(
+            ds, context=context, tags={"sha256": sha256, "path": str(path.resolve()), **(tags or {})}
+        )
 
 
 def log_manifest(folder: Path, manifest: dict[str, Any]) -> None:
