@@ -1,6 +1,7 @@
 """What each federation spent in privacy and what it bought (notebook 03): the round records
 (participants, dropouts, rejected updates, held-out loss, cumulative epsilon) against the budget,
-and the privacy-utility sweep and privacy audits where they were run."""
+the privacy audits published with each version (its signed manifest), and the privacy-utility
+sweep and the audit runs or benchmark where they were run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from typing import Any
 import pandas as pd
 from mlflow.entities import Run
 
+from nimmer_train.publish import signoff
+from nimmer_train.publish.registry import REGISTRY_FILE
 from nimmer_train.review.sources import Sources, artifact_json, artifact_text, runs
+from nimmer_train.review.versions import registry
 
 ROUNDS = "federation/rounds.json"
 SWEEP = "privacy_sweep/privacy_utility.json"
@@ -95,3 +99,23 @@ def audits(src: Sources, results: Path | None = None) -> pd.DataFrame | None:
     rows = [{"figure": k, "value": v} for k, v in figures.items() if isinstance(v, int | float)]
     source = f"{path.name}, commit {record['commit'][:12]}, {record['started_at']}"
     return pd.DataFrame(rows).assign(source=source)
+
+
+def release_audits(src: Sources) -> pd.DataFrame | None:
+    """The audits each published version carries in its signed manifest (``privacy.audit``: A.1's
+    one-run audit; ``privacy.canary_exposure``: A.2's canary exposure), one row per version and
+    audit with its result and verdict (pass / fail / inconclusive, as the sign-off judges it);
+    None when no version carries one (nothing published, or no player data)."""
+    if not (src.releases / REGISTRY_FILE).exists():
+        return None
+    rows = []
+    with registry(src) as reg:
+        for v in reg.versions():
+            manifest = signoff.read_release(v.folder)
+            for goal in signoff.audit_goals(manifest):
+                if goal.status != signoff.NOT_APPLICABLE:
+                    rows.append(
+                        {"version": v.label, "audit": goal.goal, "result": goal.value,
+                         "verdict": goal.status, "evidence": goal.located(v.folder)}
+                    )  # fmt: skip
+    return pd.DataFrame(rows) if rows else None

@@ -1,6 +1,6 @@
 """The published versions as a reviewer checks them (notebook 04): the registry with aliases,
 each version's signature and checksums verified here, the MLflow Model Registry's view, and a
-diff of two versions (corpus refs, recipe, epsilon, contributors, LoRAs that fit)."""
+diff of two versions (corpus refs, recipe, both epsilons, contributors, LoRAs that fit)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from nimmer_train.errors import NimmerError
+from nimmer_train.publish.listing import A1, A2, privacy_report
 from nimmer_train.publish.registry import REGISTRY_FILE, Registry
 from nimmer_train.publish.signing import Keyring
 from nimmer_train.publish.versions import verify_version
@@ -22,12 +23,13 @@ DIFF_FIELDS = (
     "base_model_origin",
     "training_corpus_refs",
     "training_recipe_ref",
-    "differential_privacy_epsilon",
     "contributors_count",
     "parent_version_id",
     "weights_sha256",
     "signing_key_id",
 )
+
+EPSILON_LABELS = {A1: "epsilon A.1 user-level", A2: "epsilon A.2 record-level"}
 
 
 @contextlib.contextmanager
@@ -44,8 +46,16 @@ def registry(src: Sources) -> Iterator[Registry]:
         reg.close()
 
 
+def epsilons(folder: Path) -> dict[str, float | None]:
+    """Both epsilons a version publishes, labelled, from its signed manifest (the registry's
+    ``differential_privacy_epsilon`` is the A.2 record-level figure alone)."""
+    report = privacy_report(folder)
+    return {EPSILON_LABELS[k]: report.get(k) for k in EPSILON_LABELS}
+
+
 def versions(src: Sources) -> pd.DataFrame:
-    """One row per published version: label, aliases, when, origin, epsilon, contributors, LoRAs."""
+    """One row per published version: label, aliases, when, origin, both epsilons (A.1
+    user-level, A.2 record-level), contributors, LoRAs."""
     with registry(src) as reg:
         aliases = reg.aliases()
         rows = [
@@ -54,7 +64,7 @@ def versions(src: Sources) -> pd.DataFrame:
                 "aliases": ", ".join(sorted(a for a, label in aliases.items() if label == v.label)),
                 "released_at": v.row["released_at"],
                 "origin": v.row["base_model_origin"],
-                "epsilon": v.row["differential_privacy_epsilon"],
+                **epsilons(v.folder),
                 "contributors": v.row["contributors_count"],
                 "loras": ", ".join(f"{x['register']} ({x['relation']})" for x in reg.loras_for(v)),
                 "mlflow_model_version": v.row["mlflow_model_version"],
@@ -96,6 +106,7 @@ def _row(reg: Registry, name: str) -> dict[str, Any]:
     row["training_recipe_ref"] = {
         k: v for k, v in row["training_recipe_ref"].items() if k != "publish_config"
     }  # the whole resolved config: in manifest.json and MLflow
+    row.update(epsilons(version.folder))  # both, labelled (the registry's column is A.2's alone)
     row["loras"] = sorted(x["lora_id"] for x in reg.loras_for(version))
     return row
 
