@@ -67,12 +67,36 @@ def _tracked_build(
                     split if split == "validation" else "training",
                     dataset=data,
                 )
+            if synth is not None and cfg.train.synthetic_share > 0:  # r1 made part of the blocks
+                _log_r1(synth)
             mlflow.set_tags({"dataset_fingerprint": corpus.fingerprint, "config_hash": p.fingerprint})
         result = build_base(cfg, corpus, p, run_id, synth)
         if run_id:
-            mlflow.log_metrics(
-                {k: v for k, v in result.metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
-            )
+            _log_summary(result.metrics)
             mlflow.set_tags({"reused": str(result.reused), "model_dir": str(result.path)})
             tracking.log_manifest(result.path, read_manifest(result.path))
     return result
+
+
+def _log_summary(metrics: dict) -> None:
+    """The build's figures at the steps they belong to: the ``initial_`` ones before training
+    (step 0), the rest at the last step, so that no summary point sits at step 0 after a curve."""
+    figures = {
+        k: v
+        for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
+    mlflow.log_metrics({k: v for k, v in figures.items() if k.startswith("initial_")}, step=0)
+    mlflow.log_metrics(
+        {k: v for k, v in figures.items() if not k.startswith("initial_")}, step=int(figures.get("steps", 0))
+    )
+
+
+def _log_r1(synth: SyntheticInput) -> None:
+    """The synthetic r1 conversations the base mixes in (train) and scores on (validation)."""
+    for split in ("train", "validation"):
+        folder = synth.path / "r1" / split
+        if folder.is_dir():
+            context = "training" if split == "train" else split
+            data = load_from_disk(str(folder))
+            tracking.log_dataset(folder, f"synthetic-r1-{split}", synth.fingerprint, context, dataset=data)
