@@ -62,6 +62,7 @@ def train_loras_stage(
     skipped: dict[str, str] = {}
     evaluation = None
     with tracking.stage_run(cfg, pipeline, "train_loras") as parent:
+        _log_inputs(inputs, cfg.corpus.name)
         for name in inputs.names:
             register = cfg.registers.get(name)
             data = register_data(name, register, inputs.r1, inputs.literary, settings)
@@ -138,6 +139,27 @@ def _inputs(
     return _Inputs(corpus, synth, base_dir, base, names, r1, literary, loras_path(artifacts, base_dir.name))
 
 
+def _log_inputs(inputs: _Inputs, corpus_name: str) -> None:
+    """What the adapters are trained from, as the run's MLflow dataset inputs: the synthetic r1
+    and the literary corpus (each register's examples come from both) and the base's weights."""
+    r1 = inputs.synth.path / "r1" / "train"
+    tracking.log_dataset(
+        r1, "synthetic-r1-train", inputs.synth.fingerprint, "training", dataset=inputs.r1["train"]
+    )
+    corpus = inputs.corpus.dataset_dir / "train"
+    tracking.log_dataset(
+        corpus,
+        f"{corpus_name}-train",
+        inputs.corpus.fingerprint,
+        "training",
+        dataset=inputs.literary["train"],
+    )
+    tracking.log_dataset(
+        inputs.base_dir, f"base {inputs.base['label']}", inputs.base["weights_sha256"], "base",
+        tags={"fingerprint": inputs.base["fingerprint"]},
+    )  # fmt: skip
+
+
 def _adapter(
     cfg: Config, pipeline: str, inputs: _Inputs, name: str, register: Register, data: RegisterData
 ) -> Path:
@@ -146,6 +168,7 @@ def _adapter(
     fp = adapter_fingerprint(name, register, inputs.base, inputs.datasets, cfg.lora)
     out = lora_path(cfg.paths.artifacts_dir(), inputs.base_dir.name, name, fp)
     with tracking.stage_run(cfg, pipeline, f"lora {name}") as run_id:
+        _log_inputs(inputs, cfg.corpus.name)
         existing = intact_manifest(out)
         if existing:
             log.info("adapter %s is up to date at %s; not retraining", name, out)
