@@ -30,6 +30,7 @@ from nimmer_train.artifacts import (
     intact_manifest,
     loras_path,
     read_manifest,
+    sha256_file,
     source_fingerprint,
 )
 from nimmer_train.config import Config
@@ -58,6 +59,7 @@ from nimmer_train.privacy.accounting import Ledger
 
 log = logging.getLogger(__name__)
 FED_VERSION = 1
+A2_POOL = "a2_pool.sqlite"  # under the federation's server/ folder
 
 
 @dataclass(frozen=True)
@@ -175,11 +177,13 @@ def federate_stage(
                     "federation": p.fingerprint[:12],
                 }
             )
+            _log_start(p)
         logger = tracking.metric_logger(run_id, cfg.tracking.tracking_uri() if run_id else None)
         started = time.monotonic()
         published = run_federation(p, cfg.federated, lambda r: logger(_round_metrics(r), int(r["round"])))
         if run_id:
             _log_federation(published["federation"], p.out, time.monotonic() - started)
+            _log_pool(p.folder / "server" / A2_POOL, published["federation"])
     _print_outcome(p.out, published["federation"], cfg.federated.delta)
     return FederationResult(p.out, published, _records(p.out), p.folder)
 
@@ -205,7 +209,7 @@ def run_federation(
     (tests: a seeded ``rng``); the nodes are sampled in the simulation's partition order."""
     from nimmer_train.memory.embedding import SentenceEmbedder
 
-    pool = p.folder / "server" / "a2_pool.sqlite"
+    pool = p.folder / "server" / A2_POOL
     pool.parent.mkdir(parents=True, exist_ok=True)
     population = build_population(p.folder / "devices", s, embedder or SentenceEmbedder())
     deliver_uploads(population, pool, s.a2.k)
@@ -282,8 +286,36 @@ def _round_metrics(record: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def _log_start(p: FederationPlan) -> None:
+    """What the federation starts from as the run's MLflow dataset inputs: the register adapter
+    and the base it fits (digests: their weights' sha256 from their manifests)."""
+    for folder, name, context in ((p.adapter_dir, f"adapter {p.register}", "start_adapter"),
+                                  (p.base_dir, f"base {p.base_dir.name}", "base")):  # fmt: skip
+        manifest = read_manifest(folder)
+        sha = next((f["sha256"] for f in manifest["files"] if f["path"].endswith(".safetensors")), None)
+        tracking.log_dataset(folder, name, sha or manifest["fingerprint"], context,
+                             tags={"fingerprint": manifest["fingerprint"]})  # fmt: skip
+
+
+def _log_pool(pool: Path, fed: dict[str, Any]) -> None:
+    """The A.2 pool as a dataset input, in aggregate only: its name, the sha256 of the pool file
+    and the noised upload count the federation published (issue 43: the exact size stays on the
+    server). Never a row, a text or an id: only what is tagged here leaves the server."""
+    if pool.exists():
+        noised = fed.get("uploads_a2")
+        tags = {"uploads_noised": str(noised)} if noised is not None else None
+        tracking.log_dataset(pool, "a2-pool", sha256_file(pool), "a2_pool", tags=tags)
+
+
 def _log_federation(fed: dict[str, Any], out: Path, seconds: float) -> None:
-    """The federation's privacy outcome, duration, stop reason and records on the stage run."""
+    """The federation's privacy outcome, duration, stop reason and records on the stage run: each
+    figure at the round it belongs to, the held-out loss before the first round at step 0 and the
+    totals at the last round, so that a per-round curve (epsilon, loss) ends on its total and
+    never turns back to step 0."""
+    records = _records(out)
+    last = max((int(r["round"]) for r in records), default=0)
+    if fed.get("heldout_loss_before") is not None:
+        mlflow.log_metric("heldout_loss", float(fed["heldout_loss_before"]), step=0)
     figures = {
         "epsilon_a1_user_level": fed["epsilon_a1_user_level"],  # None: no privacy guarantee
         "epsilon_a2_record_level": fed["epsilon_a2_record_level"],
@@ -295,7 +327,7 @@ def _log_federation(fed: dict[str, Any], out: Path, seconds: float) -> None:
             for k in ("dp_mean_exposure_up_to_4x", "control_mean_exposure_up_to_4x", "seconds")
         },
     }
-    mlflow.log_metrics({k: float(v) for k, v in figures.items() if v is not None})
+    mlflow.log_metrics({k: float(v) for k, v in figures.items() if v is not None}, step=last)
     mlflow.set_tags({"federated_adapter": str(out), "stopped": str(fed["stopped"])})
     if fed.get("caveats"):  # an epsilon above results.MEANINGFUL_EPSILON: said beside it
         mlflow.set_tag("privacy_caveat", " | ".join(fed["caveats"].values()))
