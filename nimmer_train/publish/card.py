@@ -158,8 +158,8 @@ def _privacy_lines(manifest: dict[str, Any], privacy: dict[str, Any]) -> list[st
     if mechanisms.get("local_dp_a1_devices"):
         lines.append(f"- Local DP-SGD on A.1 devices: {mechanisms['local_dp_a1_devices']}")
     lines.append(
-        f"- differential_privacy_epsilon (the registry's figure, for A.2 contributions): "
-        f"{_fmt(manifest['differential_privacy_epsilon'])}"
+        "- differential_privacy_epsilon (the registry's column) is the A.2 record-level epsilon, "
+        f"not the A.1 user-level one: {_fmt(manifest['differential_privacy_epsilon'])}"
         + (f" ({caveat_label(caveats[A2])})" if A2 in caveats else "")
         + "; "
         f"contributors_count: {manifest['contributors_count']}{noised}"
