@@ -4,7 +4,7 @@ nimmer memory inspect PLAYER_DIR
 nimmer memory generate PLAYER_DIR [--seed N] [--entries N]
 nimmer memory consolidate AGENT_DIR | mcp AGENT_DIR [--no-watch]
 nimmer versions [--releases DIR] [--trusted-keys DIR] list | show V | verify V | promote V
-nimmer versions pull URL_OR_PATH [--alias production | --no-alias] [--allow-downgrade]
+nimmer versions pull URL_OR_PATH [--version newest|ALIAS|vN] [--alias A | --no-alias] [--allow-downgrade]
 nimmer keys generate PRIVATE_KEY [--trust DIR]
 nimmer keys trust PUBLIC_KEY DIR
 nimmer serve [--releases DIR] [--version production] [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
@@ -13,10 +13,11 @@ nimmer consent show PLAYER_DIR | set TIER PLAYER_DIR | revoke PLAYER_DIR | exclu
 nimmer llm-config show PLAYER_DIR | set PLAYER_DIR --player-id ID [--casual-ring R ...] [--key-stdin TIER]
 nimmer contribute PLAYER_DIR --superlink HOST:PORT --root-certificates CA [--releases DIR] [--version V]
 nimmer contributions [upload | forget] PLAYER_DIR [--intake URL]
+nimmer backup create PLAYER_DIR NAME | list PLAYER_DIR | restore PLAYER_DIR [NAME] --host URL
 nimmer federation certs DIR --host HOST | a2 add|status|forget --pool POOL ... | a2 serve --folder DIR
 
 One module per command group: ``register`` gives the group's parser its subcommands, ``run`` runs
-them. The player's device: memory, consent, contributions, contribute, llm_config; the operator:
+them. The player's device: memory, consent, contributions, contribute, llm_config, backup; the operator:
 federation, keys; the publisher: versions, serve.
 """
 
@@ -47,6 +48,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "contribute": ("join a federation: a Flower SuperNode for this player", "contribute"),
     "federation": ("the operator's side", "federation"),
     "llm-config": ("the player's LLM tiers, rings and keys", "llm_config"),
+    "backup": ("the player's LoRAs, sealed here and kept on the backup host", "backup"),
 }
 
 
