@@ -128,37 +128,38 @@ def _budget(manifest: dict[str, Any]) -> tuple[float | None, float | None]:
     return federated.get("epsilon_budget"), federated.get("delta")
 
 
+def _epsilon(key: str, privacy: dict[str, Any] | None, budget: float | None, stated: float | None) -> Goal:
+    """One published epsilon (``privacy[key]``) against ``budget`` at the delta the federation
+    was configured with (``stated``)."""
+    label = {A1: "A.1 user-level", A2: "A.2 record-level"}[key]
+    evidence = f"{MANIFEST}: privacy.{key}"
+    delta = (privacy or {}).get("delta")
+    target = "no budget configured" if budget is None else f"<= {budget:g} at delta {stated or delta}"
+    if privacy is None:
+        return Goal("epsilon", label, target, NOT_MEASURED, NOT_MEASURED, f"{MANIFEST}: privacy")
+    value = privacy.get(key)
+    if not (any(privacy.get(k) is not None for k in (A1, A2)) or privacy.get("no_privacy")):
+        return Goal("epsilon", label, target, "no player data", PASS, evidence)
+    if privacy.get("no_privacy"):
+        return Goal("epsilon", label, target, "none (federated.no_privacy: no noise)", FAIL, evidence)
+    if value is None:
+        return Goal("epsilon", label, target, NOT_MEASURED, NOT_MEASURED, evidence)
+    said = privacy_caveats(privacy).get(key)
+    shown = f"{value:.3f}" + (f" ({caveat_label(said)})" if said else "")
+    if budget is None:
+        return Goal("epsilon", label, target, shown, NOT_MEASURED, evidence)
+    if stated is not None and delta != stated:
+        return Goal(
+            "epsilon", label, target, f"{shown} at delta {delta}, not the configured {stated}", FAIL, evidence
+        )
+    return Goal("epsilon", label, target, shown, PASS if value <= budget else FAIL, evidence)
+
+
 def epsilon_goals(manifest: dict[str, Any]) -> list[Goal]:
-    """Each published epsilon against the configured budget at the stated delta."""
-    privacy = manifest.get("privacy") or {}
-    budget, configured_delta = _budget(manifest)
-    delta = privacy.get("delta")
-    player_data = any(privacy.get(k) is not None for k in (A1, A2)) or privacy.get("no_privacy")
-    labels = {A1: "A.1 user-level", A2: "A.2 record-level"}
-    caveats = privacy_caveats(privacy) if privacy else {}
-    goals = []
-    for key, label in labels.items():
-        value, evidence = privacy.get(key), f"{MANIFEST}: privacy.{key}"
-        target = "no budget configured" if budget is None else f"<= {budget:g} at delta {delta:g}"
-        goal, said = label, caveats.get(key)
-        if not player_data:
-            goals.append(Goal("epsilon", goal, target, "no player data", PASS, evidence))
-        elif privacy.get("no_privacy"):
-            goals.append(
-                Goal("epsilon", goal, target, "none (federated.no_privacy: no noise)", FAIL, evidence)
-            )
-        elif value is None:
-            goals.append(Goal("epsilon", goal, target, NOT_MEASURED, NOT_MEASURED, evidence))
-        elif budget is None:
-            shown = f"{value:.3f}" + (f" ({caveat_label(said)})" if said else "")
-            goals.append(Goal("epsilon", goal, target, shown, NOT_MEASURED, evidence))
-        elif configured_delta is not None and delta != configured_delta:
-            shown = f"{value:.3f} at delta {delta:g}, not the configured {configured_delta:g}"
-            goals.append(Goal("epsilon", goal, target, shown, FAIL, evidence))
-        else:
-            shown = f"{value:.3f}" + (f" ({caveat_label(said)})" if said else "")
-            goals.append(Goal("epsilon", goal, target, shown, PASS if value <= budget else FAIL, evidence))
-    return goals
+    """Both published epsilons (A.1 user-level, A.2 record-level) against the configured budget
+    at the stated delta; a manifest without a privacy block measured neither."""
+    budget, stated = _budget(manifest)
+    return [_epsilon(key, manifest.get("privacy"), budget, stated) for key in (A1, A2)]
 
 
 def _a1_audit(privacy: dict[str, Any]) -> Goal:
@@ -193,8 +194,14 @@ def _a2_audit(privacy: dict[str, Any]) -> Goal:
 
 
 def audit_goals(manifest: dict[str, Any]) -> list[Goal]:
-    privacy = manifest.get("privacy") or {}
-    return [_a1_audit(privacy), _a2_audit(privacy)]
+    """A.1's one-run audit and A.2's canary exposure; without a privacy block, neither measured."""
+    if manifest.get("privacy") is None:
+        where = f"{MANIFEST}: privacy"
+        return [
+            Goal("audit", name, "", NOT_MEASURED, NOT_MEASURED, where)
+            for name in ("A.1 user-level audit", "A.2 record-level canary exposure")
+        ]
+    return [_a1_audit(manifest["privacy"]), _a2_audit(manifest["privacy"])]
 
 
 def _parent_registers(release_dir: Path, manifest: dict[str, Any]) -> set[str] | None:
