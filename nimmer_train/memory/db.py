@@ -30,10 +30,10 @@ def connect(path: Path, factory: type[apsw.Connection] = apsw.Connection) -> aps
         db.enable_load_extension(False)
     except apsw.Error as exc:
         raise NimmerError(f"cannot load sqlite-vec into {path}: {exc}") from exc
+    db.setbusytimeout(5000)  # first: a second process opening the store at once waits, even for WAL
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=FULL")
     db.execute("PRAGMA foreign_keys=ON")
-    db.setbusytimeout(5000)
     return db
 
 
