@@ -3,7 +3,10 @@
 It registers the typed schema, checks the composed config before any work starts (a misspelt
 key, a wrong type, a missing value or a bad value each give one line naming the key), then runs
 the stage under ``@hydra.main`` with the config as ``nimmer_train.config.Config``. Errors the
-user can fix (``NimmerError``) also print as one line. ``HYDRA_FULL_ERROR=1`` shows tracebacks.
+user can fix (``NimmerError``) also print as one line, and so does Ctrl-C (the stage it stopped
+and how to resume). ``HYDRA_FULL_ERROR=1`` shows tracebacks. The job's overrides name and tag its
+MLflow runs (``tracking.JobLabel``); in a sweep (``-m``) the stage's return value is what a
+sweeper such as Optuna optimises.
 """
 
 from __future__ import annotations
@@ -16,17 +19,21 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from nimmer_train.config import Config
 from nimmer_train.errors import ConfigError, NimmerError
+
+if TYPE_CHECKING:
+    from nimmer_train.tracking import JobLabel
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = str(REPO / "conf")
@@ -88,11 +95,18 @@ def _to_config(cfg: DictConfig) -> Config:
 
 
 def _sweep_free(overrides: list[str]) -> list[str]:
-    """Replace each sweep (a,b,c or range) by its first value so one job can be checked."""
+    """Replace each sweep (a,b,c, range or an Optuna interval) by its first value so one job can
+    be checked."""
+    from hydra.core.override_parser.types import IntervalSweep
+
     out = []
     for override in OverridesParser.create().parse_overrides(overrides):
         if override.is_sweep_override():
-            first = next(iter(override.sweep_string_iterator()))
+            sweep = override.value()
+            if isinstance(sweep, IntervalSweep):
+                first = str(sweep.start)
+            else:
+                first = next(iter(override.sweep_string_iterator()))
             out.append(f"{override.get_key_element()}={first}")
         else:
             out.append(override.input_line)
@@ -155,17 +169,85 @@ def _job_log() -> Path:
     return Path(job.runtime.output_dir) / f"{job.job.name}.log"
 
 
+def _argv_overrides() -> list[Override]:
+    from hydra._internal.utils import get_args_parser
+
+    lines = get_args_parser().parse_args(sys.argv[1:]).overrides
+    return OverridesParser.create().parse_overrides([o for o in lines if not o.startswith("hydra.")])
+
+
+def job_label() -> JobLabel:
+    """This job's overrides for its MLflow runs; in a sweep also its search space (each key the
+    command line sweeps, ``lora.rank=4,8``, or ``hydra.sweeper.params`` names, Optuna's
+    ``int(interval(4, 16))``), the sweep's folder and the job's number."""
+    from hydra.types import RunMode
+
+    from nimmer_train.tracking import JobLabel
+
+    hydra_cfg = HydraConfig.get()
+    overrides = {}
+    for line in hydra_cfg.overrides.task:
+        key, _, value = line.partition("=")
+        overrides[key.lstrip("+~")] = value
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return JobLabel(overrides)
+    params = hydra_cfg.sweeper.get("params") or {}
+    space = {str(k): str(v) for k, v in params.items()}
+    for o in _argv_overrides():  # the command line's sweeps take over the config's
+        if o.is_sweep_override():
+            space[o.get_key_element().lstrip("+~")] = o.input_line.partition("=")[2]
+    sweep = str(Path(hydra_cfg.runtime.output_dir).parent)  # one folder per job below the sweep's
+    return JobLabel(overrides, space, sweep, int(hydra_cfg.job.num))
+
+
+def _interrupted_stage(exc: BaseException, default: str) -> str:
+    """The stage a Ctrl-C stopped: the innermost ``<name>_stage`` call of the library on the
+    stack (run_all's current stage), else the entry point's own."""
+    stage = default
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name.endswith("_stage") and tb.tb_frame.f_globals.get("__name__", "").startswith(
+            "nimmer_train."
+        ):
+            stage = code.co_name.removesuffix("_stage")
+        tb = tb.tb_next
+    return stage
+
+
+class _Interrupted(KeyboardInterrupt):
+    """A Ctrl-C, carrying the stage it stopped (the stack is gone once Hydra unwinds)."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__(stage)
+        self.stage = stage
+
+
 def pipeline(stage: Callable[[Config], object]) -> Callable[[], None]:
     """Turn ``stage(cfg: Config)`` into a Hydra entry point with one-line error reporting.
 
     Hydra names the job after the stage's own file (``outputs/build_base/<time>/build_base.log``),
     ``--help`` starts with the stage's docstring, and the job log gets what the stage prints."""
 
-    def task(cfg: DictConfig) -> None:
+    def task(cfg: DictConfig) -> object:
+        from nimmer_train import tracking  # (mlflow: after the config check)
+
         log_file = _job_log()
         with contextlib.redirect_stdout(_Tee(sys.stdout, log_file)):
             try:
-                stage(_to_config(cfg))
+                config = _to_config(cfg)
+                tracking.label_job(job_label())
+                with tracking.sweep_parent(config, HydraConfig.get().job.name) as parent:
+                    value = stage(config)
+                    tracking.log_sweep_objective(parent, value)
+                return value  # a sweeper (Optuna) optimises what the stage returns
+            except KeyboardInterrupt as exc:
+                if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                name = _interrupted_stage(exc, HydraConfig.get().job.name)
+                with log_file.open("a", encoding="utf-8") as log:
+                    log.write(f"interrupted at stage {name}\n")
+                raise _Interrupted(name) from None
             except NimmerError as exc:
                 if os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
@@ -174,7 +256,7 @@ def pipeline(stage: Callable[[Config], object]) -> Callable[[], None]:
                 _fail(str(exc), code=1)
 
     functools.update_wrapper(task, stage)  # Hydra takes the job name from the wrapped stage's file
-    task.__annotations__ = {"cfg": DictConfig, "return": None}
+    task.__annotations__ = {"cfg": DictConfig, "return": object}
     hydra_task = hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(task)
 
     @functools.wraps(stage)
@@ -184,6 +266,14 @@ def pipeline(stage: Callable[[Config], object]) -> Callable[[], None]:
             print(f"{doc.strip()}\n")
         precheck(sys.argv[1:])
         _quiet_progress_bars()
-        hydra_task()
+        try:
+            hydra_task()
+        except (KeyboardInterrupt, _Interrupted) as exc:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            name = exc.stage if isinstance(exc, _Interrupted) else _interrupted_stage(exc, "")
+            where = f" at stage {name}" if name else ""
+            print(f"interrupted{where}; run the same command again to resume", file=sys.stderr)
+            sys.exit(130)  # 128 + SIGINT, as a shell reports a Ctrl-C
 
     return main
