@@ -21,6 +21,7 @@ from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import METADATA, read_metadata
 from nimmer_train.publish import mlflow_registry
 from nimmer_train.publish.index import write_index
+from nimmer_train.publish.listing import A1, A2, privacy_report
 from nimmer_train.publish.rebase import carry, log_decisions, rebase
 from nimmer_train.publish.registry import Registry, Version
 from nimmer_train.publish.release import PublishRequest, already_published, publish_version, stage_merge
@@ -165,6 +166,45 @@ def _log_voice(report: VoiceReport, run_id: str | None) -> None:
         mlflow.log_dict(report.summary(), f"{report.version}/voice_report.json")
 
 
+def _privacy_metrics(version: Version) -> dict[str, float]:
+    """The newest version's privacy figures as the publish run's metrics, each epsilon named by
+    its level (no bare ``epsilon``); an epsilon that is none (no player data, no guarantee) is
+    left out, never logged as 0."""
+    report = privacy_report(version.folder)
+    figures = {
+        A1: report.get(A1),
+        A2: report.get(A2),
+        "dp_delta": report.get("delta") if report.get(A1) or report.get(A2) else None,
+        "dp_population_n": (report.get("a1_mechanism") or {}).get("population"),
+        "contributors_count": version.row["contributors_count"],
+    }
+    return {k: float(v) for k, v in figures.items() if v is not None}
+
+
+def _log_signed_inputs(version: Version, releases: Path) -> None:
+    """What a version signs, as the publish run's MLflow dataset inputs: its weights (merged
+    adapter included), each compatible LoRA; digests are the sha256 in its signed manifest."""
+    manifest = json.loads((version.folder / MANIFEST).read_text())
+    tracking.log_dataset(
+        version.folder, f"{version.label} weights", manifest["weights_sha256"], "signed_weights",
+        tags={"version": version.label},
+    )  # fmt: skip
+    merged = manifest.get("merged_adapter")
+    if merged:
+        tracking.log_dataset(
+            version.folder, f"federated adapter {merged['register']}", merged["fingerprint"],
+            "merged_adapter", tags={"version": version.label, "federation": str(merged.get("federation"))},
+        )  # fmt: skip
+    for lora in manifest.get("compatible_loras") or []:
+        files = lora.get("files") or []
+        sha = next((f["sha256"] for f in files if str(f.get("path", "")).endswith(".safetensors")), None)
+        tracking.log_dataset(
+            releases / lora["path"], f"lora {lora['register']} {lora['lora_id'][:12]}",
+            sha or lora["fingerprint"], "signed_lora",
+            tags={"version": version.label, "relation": lora["relation"]},
+        )  # fmt: skip
+
+
 @dataclass
 class PublishResult:
     """The versions this stage published or found already published, oldest first."""
@@ -234,12 +274,7 @@ def publish_stage(
             for version in published:
                 mlflow.log_artifact(str(version.folder / MANIFEST), version.label)
                 mlflow.log_artifact(str(version.folder / README), version.label)
-            last = published[-1].row
-            mlflow.log_metrics(
-                {
-                    "contributors_count": last["contributors_count"],
-                    "differential_privacy_epsilon": last["differential_privacy_epsilon"] or 0.0,
-                }
-            )
+                _log_signed_inputs(version, releases)
+            mlflow.log_metrics(_privacy_metrics(published[-1]))
             mlflow.set_tags({v.label: f"{mlflow_registry.BASE_MODEL}/{numbers[v.label]}" for v in published})
     return PublishResult(published)
