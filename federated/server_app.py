@@ -5,4 +5,5 @@ to ``out-dir``. Settings and places come from the run config; see federated/pypr
 from nimmer_train.federation import deploy
 from nimmer_train.federation.app import server_app
 
+deploy.log_to_console()  # the round lines, the wait for nodes and the closing lines in `flwr log`
 app = server_app(deploy.settings_of, deploy.setup_of, deploy.publish, deploy.report_of)

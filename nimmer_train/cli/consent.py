@@ -14,6 +14,7 @@ from nimmer_train.memory import contributions
 from nimmer_train.memory.consent import (
     PROFILE_FILE,
     TIERS,
+    consent_view,
     exclude,
     existing_contributor_id,
     get_consent,
@@ -68,25 +69,27 @@ def run(args: argparse.Namespace) -> int:
     finally:
         memory.close()
     report["federated_rounds"] = "takes part" if reason is None else f"takes no part: {reason}"
-    print(json.dumps({k: v for k, v in report.items() if k != "spend"}, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if not k.startswith("spend")}, indent=2))
     return 0
 
 
 def contributor_report(folder: Path) -> dict[str, Any]:
-    """Tier, contributor id and privacy spend of a player (``nimmer memory inspect``)."""
+    """Tier, categories (as the consent filter enforces them), contributor id and privacy spend
+    of a player, per federation and in total (``nimmer memory inspect``)."""
     memory = open_player(folder)
     try:
         record = get_consent(memory)
         ident, uploads = existing_contributor_id(memory), sent_uploads(memory)
     finally:
         memory.close()
+    spend = contributions.spend(folder)
     return {
         "tier": record.sharing_tier,
         "revoked_at": stamp(record.revoked_at),
-        "categories_shared": list(record.data_categories_shared),
-        "categories_excluded": list(record.excluded_categories),
+        **consent_view(record),
         "profile": "present" if (folder / PROFILE_FILE).exists() else "missing",
         "contributor_id": ident,
         "a2_uploads_sent": len(uploads),
-        "spend": contributions.spend(folder),
+        "spend": spend,
+        "spend_total": contributions.spend_total(spend),
     }

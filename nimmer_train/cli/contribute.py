@@ -9,7 +9,7 @@ from pathlib import Path
 from nimmer_train.cli.common import open_player, stamp, trusted_keys
 from nimmer_train.errors import NimmerError
 from nimmer_train.federation.deploy import SuperNode, free_port, node_config, run_supernode
-from nimmer_train.memory.consent import contributor_id, get_consent, read_profile, takes_part
+from nimmer_train.memory.consent import consent_view, contributor_id, get_consent, read_profile, takes_part
 from nimmer_train.publish.signing import Keyring
 from nimmer_train.publish.versions import open_version, verified_copy
 
@@ -45,9 +45,11 @@ def run(args: argparse.Namespace) -> int:
         ident = contributor_id(memory)
     finally:
         memory.close()
+    view = consent_view(record)  # what the consent filter lets leave, exactly
+    excluded = f"; excluded {', '.join(view['categories_excluded'])}" if view["categories_excluded"] else ""
     print(
         f"consent: A1_federated since {stamp(record.granted_at)}, sharing "
-        f"{', '.join(sorted(set(record.data_categories_shared) - set(record.excluded_categories)))}; "
+        f"{', '.join(view['categories_shared'])}{excluded}; never {', '.join(view['never_shared'])}; "
         f"contributor id {ident} (stays on this device); only the masked update leaves it",
         flush=True,
     )

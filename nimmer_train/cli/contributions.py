@@ -8,18 +8,25 @@ import json
 import time
 from pathlib import Path
 
-from nimmer_train.cli.common import open_player
+from nimmer_train.cli.common import open_player, stamp
 from nimmer_train.errors import NimmerError
 from nimmer_train.federation.intake import write_upload
 from nimmer_train.memory import contributions
-from nimmer_train.memory.consent import a2_upload, read_profile
+from nimmer_train.memory.consent import a2_upload, get_consent, read_profile
 from nimmer_train.memory.deletion_requests import make_request, record_answer
+
+OUTBOX = "outbox"  # a device's uploads waiting to be handed to the operator, inside its folder
 
 
 def register(log: argparse.ArgumentParser) -> None:
     log.add_argument("words", nargs="+", metavar="[upload|forget] PLAYER_DIR")
     log.add_argument("--json", action="store_true")
-    log.add_argument("--out", type=Path, default=None, help="upload: a folder; forget: the request file")
+    log.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="upload: a folder (default PLAYER_DIR/outbox); forget: the request file (default in PLAYER_DIR)",
+    )
     log.add_argument("--answer", type=Path, default=None, help="forget: the operator's answer file")
     log.add_argument("--intake", default=None, help="upload/forget through the operator's A.2 intake URL")
 
@@ -29,13 +36,7 @@ def run(args: argparse.Namespace) -> int:
         (args.words[0], Path(args.words[1])) if len(args.words) == 2 else ("show", Path(args.words[0]))
     )
     if action == "show":
-        open_player(folder).close()
-        log = contributions.entries(folder)
-        if args.json:
-            print(json.dumps(log, indent=2))
-        else:
-            print("\n".join(contributions.render(log)) or f"{folder}: nothing has left this device yet")
-        return 0
+        return _show(folder, args.json)
     if action in ("upload", "forget") and args.intake:
         return _through_intake(action, folder, args.intake)
     if action == "upload":
@@ -45,6 +46,26 @@ def run(args: argparse.Namespace) -> int:
     raise NimmerError(
         f"nimmer contributions {action}: unknown; use PLAYER_DIR, upload PLAYER_DIR or forget PLAYER_DIR"
     )
+
+
+def _show(folder: Path, as_json: bool) -> int:
+    """The log, a line per entry (each round released, not released or pending, as the server
+    told), then the spend per federation and the running total across federations."""
+    memory = open_player(folder)
+    try:
+        revoked_at = get_consent(memory).revoked_at
+    finally:
+        memory.close()
+    log = contributions.entries(folder)
+    spend = contributions.spend(folder)
+    if as_json:
+        print(json.dumps(log, indent=2))
+        return 0
+    lines = contributions.render(log) + contributions.render_spend(spend)
+    if revoked_at is not None:
+        lines.append(f"consent revoked since {stamp(revoked_at)}: nothing leaves this device")
+    print("\n".join(lines) or f"{folder}: nothing has left this device yet")
+    return 0
 
 
 def _through_intake(action: str, folder: Path, url: str) -> int:
@@ -70,8 +91,7 @@ def _through_intake(action: str, folder: Path, url: str) -> int:
 
 
 def _upload(folder: Path, out: Path | None) -> int:
-    if out is None:
-        raise NimmerError("nimmer contributions upload needs --out DIR: where to write the upload file")
+    out = out if out is not None else folder / OUTBOX  # beside the device's stores, never the repository
     player_id, player_name = read_profile(folder)
     memory = open_player(folder)
     try:

@@ -13,11 +13,19 @@ from nimmer_train.federation.certs import make_certificates
 from nimmer_train.federation.intake import add_uploads, apply_deletion_request, pooled_ids
 from nimmer_train.privacy.a2_pool import pool_summary
 
+CERTS = Path("federation/certs")  # under the operator's git-ignored federation/ folder
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     federation = parser.add_subparsers(dest="command", required=True)
     certs = federation.add_parser("certs", help="a CA (reused if present) and the SuperLink's certificate")
-    certs.add_argument("folder", type=Path)
+    certs.add_argument(
+        "folder",
+        type=Path,
+        nargs="?",
+        default=CERTS,
+        help=f"default {CERTS} (git-ignored: the CA's key is there)",
+    )
     certs.add_argument("--host", action="append", required=True, help="a name or address of the SuperLink")
     certs.add_argument("--days", type=int, default=365)
     a2 = federation.add_parser("a2", help="the A.2 intake pool").add_subparsers(

@@ -17,6 +17,7 @@ from flwr.client import ClientApp
 from flwr.client.mod import secaggplus_mod
 from flwr.server import ServerApp
 from flwr.serverapp.grid import Grid
+from flwr.supercore.run import RunNotRunningException
 
 from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.federation.client import Contributor, Node
@@ -81,7 +82,9 @@ def server_app(
 ) -> ServerApp:
     """A ServerApp running :func:`serve`, then ``done`` (publishing) with the final state.
     ``options_of``: keyword arguments for :func:`serve` (the simulation's node order; a test's
-    seeded generator)."""
+    seeded generator). A report with an ``end(status)`` (a tracking run: ``deploy.RunReport``)
+    is ended FINISHED after ``done``, KILLED when the run is stopped or interrupted, FAILED on
+    any other error."""
     app = ServerApp()
 
     @app.main()
@@ -91,7 +94,18 @@ def server_app(
         settings = settings_of(context)
         setup = setup_of(context, settings)
         options = options_of(context) if options_of else {}
-        state = serve(grid, context, settings, setup, report_of(context), **options)
-        done(context, settings, setup, state)
+        report = report_of(context)
+        status = "FAILED"
+        try:
+            state = serve(grid, context, settings, setup, report, **options)
+            done(context, settings, setup, state)
+            status = "FINISHED"
+        except (KeyboardInterrupt, SystemExit, RunNotRunningException):
+            status = "KILLED"
+            raise
+        finally:
+            end = getattr(report, "end", None)
+            if end is not None:
+                end(status)
 
     return app

@@ -26,6 +26,7 @@ config (:data:`A1_MECHANISM`) with the ledger's accountant (``privacy.accounting
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,15 @@ A1_MECHANISM = (
     f"{UserDPConfig.KEY}.{dashed('fraction_fit')}",
     A1_RELEASED,
 )
+# fit-config keys of the federation (and of the outcome message the server sends when it ends):
+# its id (made with the server's privacy ledger: the device keys its spend by it, never by the
+# SuperLink's address, which two federations may share), the last round done before this one,
+# and the rounds done but not released (JSON list)
+FEDERATION_ID = "federation-id"
+ROUNDS_DONE = "rounds-done"
+NOT_RELEASED = "rounds-not-released"
+OUTCOME = "federation-outcome"  # an evaluate message carrying this key: the federation has ended
+OUTCOME_EPSILON = "epsilon-a1-user-level"  # in it: the federation's final user-level epsilon
 REFUSAL = "this device takes no part in federated rounds"  # all a refusal tells the server
 LEFT_A1 = "only the update, clipped and masked by SecAgg+ (the server sees nothing but the sum)"
 
@@ -78,7 +88,7 @@ class Node:
     adapter_dir: Path
     device: Path | None = None  # a player's device folder (A.1)
     a2_pool: Path | None = None  # the A.2 intake (the server-operated client)
-    federation: str = "unnamed"  # the SuperLink the device joined, for its contributions log
+    federation: str = "unnamed"  # the SuperLink the device joined (its address), for people to read
 
     def __post_init__(self) -> None:
         if (self.device is None) == (self.a2_pool is None):
@@ -141,6 +151,18 @@ def federation_epsilon(config: dict[str, Any]) -> float | None:
     return epsilon([(float(z), float(q), int(released) + 1)], float(config["delta"]))
 
 
+def told_outcome(config: dict[str, Any]) -> dict[str, Any] | None:
+    """What the server said of its earlier rounds: the last one done and those not released
+    (None when it said nothing: a server from before release states)."""
+    if ROUNDS_DONE not in config:
+        return None
+    try:
+        not_released = [int(r) for r in json.loads(str(config.get(NOT_RELEASED) or "[]"))]
+    except (ValueError, TypeError):
+        return None
+    return {"rounds_done": int(config[ROUNDS_DONE]), "not_released": not_released}
+
+
 def pool_examples(pool_path: Path, k: int) -> list[str]:
     pool = A2Pool(pool_path, k)
     try:
@@ -188,7 +210,7 @@ class Contributor(NumPyClient):
             accountant = self.node.a2_pool.parent / POOL_ACCOUNTANT
         else:
             assert self.node.device is not None
-            self._refuse_unless_taking_part(self.node.device, server_round)
+            self._refuse_unless_taking_part(self.node.device, server_round, config)
             texts, _ = device_examples(self.node.device)
             accountant = self.node.device / DEVICE_ACCOUNTANT
         result = train_locally(
@@ -203,11 +225,11 @@ class Contributor(NumPyClient):
         )
         metrics: dict[str, Any] = {}
         if self.node.device is not None:  # consent revoked while it trained: the update stays here
-            self._refuse_unless_taking_part(self.node.device, server_round)
+            self._refuse_unless_taking_part(self.node.device, server_round, config)
             contributions.record(
                 self.node.device,
                 "round",
-                federation=self.node.federation,
+                **self._federation(config),
                 round=server_round,
                 tier=TIER,
                 left=LEFT_A1,
@@ -215,6 +237,7 @@ class Contributor(NumPyClient):
                 epsilon=federation_epsilon(config),
                 epsilon_local=result.epsilon,
                 delta=float(config["delta"]),
+                outcome=told_outcome(config),
             )
             note_device_contribution(self.node.device)  # the consent record's count and date
         if self.node.device is not None and result.steps:  # a real A.1 update: for clip_mod only
@@ -224,12 +247,35 @@ class Contributor(NumPyClient):
             metrics.update(a2_claim(key, server_round, str(config[A2_NONCE]), step))
         return result.arrays, result.examples, metrics
 
-    def _refuse_unless_taking_part(self, device: Path, server_round: int) -> None:
+    def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict]:
+        """Not an evaluation: the server's word, when the federation ends, on which rounds it
+        released and its final epsilon, kept in a device's contributions log (nothing is sent
+        back: an empty reply)."""
+        if self.node.device is not None and OUTCOME in config:
+            told = told_outcome(config) or {}
+            epsilon = config.get(OUTCOME_EPSILON)
+            contributions.record(
+                self.node.device,
+                "outcome",
+                **self._federation(config),
+                **told,
+                final=True,
+                epsilon=float(epsilon) if epsilon not in (None, "") else None,
+                delta=float(config.get("delta", 0.0)),
+            )
+        return 0.0, 0, {}
+
+    def _federation(self, config: dict[str, Any]) -> dict[str, str]:
+        """The federation a log entry belongs to: the server's id and the address it was reached at."""
+        ident = str(config.get(FEDERATION_ID, "") or "")
+        return {"federation": self.node.federation, **({"federation_id": ident} if ident else {})}
+
+    def _refuse_unless_taking_part(self, device: Path, server_round: int, config: dict[str, Any]) -> None:
         """A revoked or non-A.1 device refuses the round: it sends nothing and is not counted."""
         reason = takes_part(device_consent(device))
         if reason is not None:
             contributions.record(
-                device, "refused", federation=self.node.federation, round=server_round, reason=reason
+                device, "refused", **self._federation(config), round=server_round, reason=reason
             )
             # Flower sends the exception's text to the server: the reason (the tier, when consent
             # was revoked) stays in the device's own log, the server learns only that it refused

@@ -1,5 +1,8 @@
 """The deployed app's glue: settings and places from Flower's run config (server) and node
-config (SuperNode), publishing to ``out-dir``, metrics to MLflow when ``tracking-uri`` is set.
+config (SuperNode), publishing to ``out-dir``, metrics to MLflow when ``tracking-uri`` is set
+(one run per ``flwr run``, tagged with the register, version and federation id, its run config
+as params, ended FINISHED, FAILED or KILLED), and the ServerApp's last log lines (``flwr log``):
+the rounds released, both epsilons labelled, the output folder.
 
 Run config (``flwr run federated <connection> --run-config '...'``): every field of
 :class:`FederatedConfig` with dashes, a group's as ``group.key`` (``user-dp.noise-multiplier``),
@@ -16,6 +19,7 @@ soon as the device's consent no longer lets it take part.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import re
@@ -38,6 +42,8 @@ from nimmer_train.errors import NimmerError
 if TYPE_CHECKING:
     from nimmer_train.federation.checkpoint import ServerState
     from nimmer_train.federation.rounds import Report, ServerSetup
+
+log = logging.getLogger(__name__)
 
 
 def _place(context: Context, key: str, required: bool = True) -> Path | None:
@@ -72,35 +78,137 @@ def setup_of(context: Context, settings: FederatedConfig) -> ServerSetup:
 
 
 def publish(context: Context, settings: FederatedConfig, setup: ServerSetup, state: ServerState) -> None:
-    from nimmer_train.artifacts import fingerprint
+    """The aggregated adapter to ``out-dir/<fp12>``; the ServerApp's log (``flwr log``) ends
+    with the federation's epsilons, labelled, and the folder it went to."""
     from nimmer_train.federation.results import publish_federated
 
+    out = published_to(context)
+    assert settings.adapter_dir
+    publish_federated(out, setup.model, Path(settings.adapter_dir), _fingerprint(context), settings, state)
+    for line in closing_lines(settings, state, setup.work, out):
+        log.info("%s", line)
+
+
+def closing_lines(settings: FederatedConfig, state: ServerState, work: Path, out: Path) -> list[str]:
+    """The federation's last words: rounds released, both epsilons labelled (A.1 user-level is
+    the guarantee a contributor gets; A.2 record-level covers the anonymised pool), where the
+    adapter went."""
+    from nimmer_train.federation.results import epsilons
+    from nimmer_train.federation.rounds import federation_id
+
+    eps = epsilons(settings, state)
+    released = sum(1 for r in state.records if r.get("accepted"))
+    label = lambda v: "none (no_privacy: no guarantee)" if v is None else f"{v:.4g}"  # noqa: E731
+    return [
+        f"federation {federation_id(work)}: {state.round} round(s) done, {released} released"
+        + (f"; stopped: {state.stopped}" if state.stopped not in (None, "completed") else ""),
+        f"epsilon A.1 user-level {label(eps['a1_user_level'])} at delta {settings.delta:g} "
+        "(each contributor's guarantee)",
+        f"epsilon A.2 record-level {label(eps['a2_record_level'])} at delta {settings.delta:g} "
+        "(each anonymised example of the A.2 pool)",
+        f"the aggregated adapter is in {out}",
+    ]
+
+
+def _fingerprint(context: Context) -> str:
+    from nimmer_train.artifacts import fingerprint
+
+    return fingerprint(dict(context.run_config))
+
+
+def published_to(context: Context) -> Path:
+    """Where :func:`publish` writes: ``out-dir/<fp12>``, fp a fingerprint of the run config."""
     out = _place(context, "out-dir")
-    assert out is not None and settings.adapter_dir
-    fp = fingerprint(dict(context.run_config))
-    publish_federated(out / fp[:12], setup.model, Path(settings.adapter_dir), fp, settings, state)
+    assert out is not None
+    return out / _fingerprint(context)[:12]
+
+
+class RunReport:
+    """Round records as metrics (at their round) of one MLflow run in experiment
+    nimmer-federate, tagged with the stage, register, version and federation id and holding the
+    run config as params; :meth:`end` closes it (the ServerApp ends it FINISHED, FAILED or
+    KILLED: never left RUNNING)."""
+
+    def __init__(self, client: Any, run_id: str) -> None:
+        self.client, self.run_id = client, run_id
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        step = int(record["round"])
+        for key, value in record.items():
+            if isinstance(value, int | float) and not isinstance(value, bool) and key != "round":
+                self.client.log_metric(self.run_id, key, float(value), step=step)
+
+    def end(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status)
 
 
 def report_of(context: Context) -> Report:
-    """Round records to MLflow (a run in experiment nimmer-federate) when tracking-uri is set."""
+    """Round records to MLflow (a :class:`RunReport`) when tracking-uri is set; else nowhere."""
     uri = str(context.run_config.get("tracking-uri", "") or "")
     if not uri:
         return lambda record: None
     import mlflow
+    from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
     mlflow.set_tracking_uri(uri)
     experiment = mlflow.set_experiment("nimmer-federate").experiment_id
-    run_id = client.create_run(experiment, run_name=f"flower run {context.run_id}").info.run_id
+    tags = run_tags(context)
+    name = f"federate {tags['register']} · {tags['version']} · federation {tags['federation_id'][:8]}"
+    run_id = client.create_run(experiment, run_name=name, tags=tags).info.run_id
+    params = {k: str(v)[:6000] for k, v in sorted(dict(context.run_config).items())}
+    client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
+    return RunReport(client, run_id)
 
-    def report(record: dict[str, Any]) -> None:
-        step = int(record["round"])
-        for key, value in record.items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and key != "round":
-                client.log_metric(run_id, key, float(value), step=step)
 
-    return report
+def run_tags(context: Context) -> dict[str, str]:
+    """The deployed federation's MLflow tags: what it is (stage federate, deployed with Flower),
+    what it improves (register, version) and which ledger it spends (federation id)."""
+    from nimmer_train.artifacts import read_manifest
+    from nimmer_train.federation.checkpoint import STATE_FILE
+    from nimmer_train.federation.rounds import federation_id
+    from nimmer_train.loras.adapters import read_metadata
+
+    base, adapter, work = (_place(context, k) for k in ("base-dir", "adapter-dir", "work-dir"))
+    assert base is not None and adapter is not None and work is not None
+    try:
+        register = str(read_metadata(adapter).get("register", adapter.name))
+    except (NimmerError, OSError, ValueError):
+        register = adapter.name
+    try:
+        manifest = read_manifest(base)
+    except (NimmerError, OSError, ValueError):
+        manifest = {}
+    ident = federation_id(work)
+    return {
+        "stage": "federate",
+        "deployment": "flower",
+        "register": register,
+        "version": str(manifest.get("version_label") or base.name),
+        "version_id": str(manifest.get("version_id", "")),
+        "federation_id": ident,
+        "flower_run_id": str(context.run_id),
+        "resumed": str((work / STATE_FILE).exists()).lower(),
+        "published_to": str(published_to(context)),
+        "mlflow.note.content": (
+            f"Deployed Flower federation {ident} improving {register} of "
+            f"{manifest.get('version_label') or base.name}: held-out loss and both epsilons per round"
+        ),
+    }
+
+
+def log_to_console() -> None:
+    """The library's INFO lines (the round lines, the wait for nodes, the closing lines) through
+    Flower's console handler, which a deployed ServerApp mirrors to ``flwr log``; without it they
+    would go nowhere (no handler: Python prints warnings only)."""
+    from flwr.common.logger import console_handler
+
+    lib = logging.getLogger("nimmer_train")
+    if console_handler not in lib.handlers:
+        lib.addHandler(console_handler)
+    lib.setLevel(logging.INFO)
+    lib.propagate = False
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Flower colours its log levels

@@ -35,16 +35,19 @@ on restart, keeps it accounted and never re-runs it.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import Context
-from flwr.common import ConfigRecord, ndarrays_to_parameters
+from flwr.app import Context, Message
+from flwr.app.message_type import MessageType
+from flwr.common import ConfigRecord, EvaluateIns, ndarrays_to_parameters
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server import LegacyContext, ServerConfig
 from flwr.server.compat.app_utils import start_update_client_manager_thread
@@ -54,6 +57,7 @@ from flwr.server.workflow.default_workflows import default_fit_workflow
 from flwr.serverapp.grid import Grid
 from transformers import AutoTokenizer
 
+from nimmer_train.artifacts import write_json_atomic
 from nimmer_train.config.federated import SECAGG_MODULUS_RANGE, SECAGG_QUANTIZATION_RANGE, FederatedConfig
 from nimmer_train.federation.budget import (
     a1_step,
@@ -65,10 +69,17 @@ from nimmer_train.federation.budget import (
     reserve,
 )
 from nimmer_train.federation.checkpoint import STATE_FILE, ServerState, ledger_of, write_ahead
-from nimmer_train.federation.client import example_text
+from nimmer_train.federation.client import (
+    FEDERATION_ID,
+    NOT_RELEASED,
+    OUTCOME,
+    OUTCOME_EPSILON,
+    ROUNDS_DONE,
+    example_text,
+)
 from nimmer_train.federation.local_training import encode_rows, load_trainable
 from nimmer_train.federation.population import heldout_seed
-from nimmer_train.federation.results import public_record
+from nimmer_train.federation.results import epsilons, public_record
 from nimmer_train.federation.strategy import (
     NoisyMean,
     RoundOutcome,
@@ -84,6 +95,24 @@ from nimmer_train.privacy.dp_fedavg import entropy_rng
 
 log = logging.getLogger(__name__)
 Report = Callable[[dict[str, Any]], None]
+FEDERATION_FILE = "federation.json"  # the federation's id, made with its ledger in the work-dir
+NODE_WAIT_NOTE_S = 10.0  # while too few nodes are online, a line this often
+NODE_POLL_S = 1.0  # how often the server counts the nodes online while it waits
+OUTCOME_TIMEOUT_S = 60.0  # how long the server waits for the nodes to take its outcome message
+
+
+def federation_id(work: Path) -> str:
+    """The federation's id: random, made once with its privacy ledger (the work-dir's state) and
+    kept beside it, so a resumed server keeps it and a fresh work-dir (a new ledger) gets a new
+    one. Devices key their spend by it (``client.FEDERATION_ID``): neither the SuperLink's address,
+    the operator's CA nor the released version tells two federations apart, a ledger does."""
+    path = work / FEDERATION_FILE
+    if path.exists():
+        return str(json.loads(path.read_text())["federation_id"])
+    work.mkdir(parents=True, exist_ok=True)
+    ident = uuid.uuid4().hex
+    write_json_atomic(path, {"federation_id": ident})
+    return ident
 
 
 @dataclass
@@ -141,7 +170,52 @@ def serve(
     state.ledger = asdict(ledger)
     state.save(setup.work, arrays)
     set_arrays(setup.model, arrays)
+    tell_outcome(grid, settings, setup.work, state)
     return state
+
+
+def outcome_config(work: Path, state: ServerState) -> dict[str, Any]:
+    """What a device may know of the federation's rounds so far: its id, the last round done
+    and the rounds done but not released (public: rounds.json says as much)."""
+    not_released = [int(r["round"]) for r in state.records if not r.get("accepted")]
+    return {
+        FEDERATION_ID: federation_id(work),
+        ROUNDS_DONE: state.round,
+        NOT_RELEASED: json.dumps(not_released),
+    }
+
+
+def tell_outcome(grid: Grid, settings: FederatedConfig, work: Path, state: ServerState) -> None:
+    """The federation has ended: tell every node online which rounds were released and the
+    final user-level epsilon (an evaluate message, answered empty: ``Contributor.evaluate``), so
+    a device's log stops saying "if this round is released". A node that does not answer in
+    time learns nothing more; nothing depends on it."""
+    eps = epsilons(settings, state)["a1_user_level"]
+    config = {
+        **outcome_config(work, state),
+        OUTCOME: 1,
+        OUTCOME_EPSILON: "" if eps is None else float(eps),
+        "delta": settings.delta,
+    }
+    ins = EvaluateIns(ndarrays_to_parameters([]), config)
+    messages = [
+        Message(
+            compat.evaluateins_to_recorddict(ins, True), dst_node_id=nid, message_type=MessageType.EVALUATE
+        )
+        for nid in grid.get_node_ids()
+    ]
+    if not messages:
+        return
+    try:
+        replies = grid.send_and_receive(messages, timeout=OUTCOME_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - the federation is over; its outcome is on disk
+        log.warning("could not tell the nodes the federation's outcome: %s", exc)
+        return
+    log.info(
+        "told %d of %d node(s) which rounds were released",
+        sum(not r.has_error() for r in replies),
+        len(messages),
+    )
 
 
 @dataclass
@@ -175,7 +249,8 @@ def _rounds(
     spec = spec_of(setup.model)
     released = lambda: sum(steps for _, _, steps in ledger.a1)  # noqa: E731 - rounds released so far
     key = a2_claim_key(setup.a2_pool)  # only the pool's A.2 node can claim an A.2 step
-    strategy = NoisyMean(settings, spec, fit_config(settings, spec), rng, order, released, key)
+    config = {**fit_config(settings, spec), **outcome_config(setup.work, state)}  # kept up to date below
+    strategy = NoisyMean(settings, spec, config, rng, order, released, key)
     legacy = LegacyContext(
         context=context,
         config=ServerConfig(num_rounds=settings.rounds, round_timeout=settings.round_timeout),
@@ -193,6 +268,8 @@ def _rounds(
             if over_budget:
                 state.stopped = over_budget
                 break
+            config.update(outcome_config(setup.work, state))  # what became of the rounds before
+            await_nodes(legacy.client_manager, settings.min_participants, server_round)
             arrays, record, stopping = _run_round(loop, server_round, a1_step(settings), arrays, held, state)
             _checkpoint(state, loop, record, arrays, stopping)  # the exact record: server-side only
             _announce(record, settings, report)
@@ -203,6 +280,41 @@ def _rounds(
         stop.set()
         thread.join()
     return arrays
+
+
+def await_nodes(
+    manager: Any,
+    needed: int,
+    server_round: int,
+    note_every: float | None = None,
+    poll: float | None = None,
+) -> int:
+    """Wait until ``needed`` nodes are online (Flower samples none before: ``min-participants``
+    SuperNodes, the A.2 node included), saying so: a line when the wait starts, one every
+    ``note_every`` seconds (:data:`NODE_WAIT_NOTE_S`) and one when the round goes ahead.
+    Returns the nodes online."""
+    note_every = NODE_WAIT_NOTE_S if note_every is None else note_every
+    poll = NODE_POLL_S if poll is None else poll
+    online = manager.num_available()
+    if online >= needed:
+        return online
+    started = last = time.monotonic()
+    line = "round %d: waiting for %d nodes, %d online (%.0f s; min-participants=%d SuperNodes must be "
+    line += "connected, the A.2 node included, before a round samples any)"
+    log.info(line, server_round, needed, online, 0.0, needed)
+    while online < needed:
+        time.sleep(poll)
+        online = manager.num_available()
+        if online < needed and time.monotonic() - last >= note_every:
+            last = time.monotonic()
+            log.info(line, server_round, needed, online, last - started, needed)
+    log.info(
+        "round %d: %d nodes online after %.0f s; the round starts",
+        server_round,
+        online,
+        time.monotonic() - started,
+    )
+    return online
 
 
 def _settle_pending(

@@ -176,7 +176,12 @@ def grant(
     record = dataclasses.replace(
         old, sharing_tier=tier, data_categories_shared=shared, granted_at=at, revoked_at=None
     )
-    return set_consent(memory, record)
+    record = set_consent(memory, record)
+    view = consent_view(record)
+    contributions.record(
+        memory.folder, "consent_granted", at=record.granted_at, tier=tier, shared=view["categories_shared"]
+    )
+    return record
 
 
 def revoke(memory: PlayerMemory, now: float | None = None) -> ConsentRecord:
@@ -185,7 +190,9 @@ def revoke(memory: PlayerMemory, now: float | None = None) -> ConsentRecord:
     if old.revoked_at is not None:
         return old
     record = dataclasses.replace(old, revoked_at=now if now is not None else memory.clock())
-    return set_consent(memory, record)
+    record = set_consent(memory, record)
+    contributions.record(memory.folder, "consent_revoked", at=record.revoked_at)  # `nimmer contributions`
+    return record
 
 
 def exclude(memory: PlayerMemory, category: str) -> ConsentRecord:
@@ -200,6 +207,20 @@ def shareable_categories(record: ConsentRecord, tier: str) -> set[str]:
     if tier not in TRAINING_TIERS or record.sharing_tier != tier or record.revoked_at is not None:
         return set()
     return set(record.data_categories_shared) - set(record.excluded_categories) - NEVER_SHARED
+
+
+def consent_view(record: ConsentRecord) -> dict[str, list[str]]:
+    """The categories as :func:`shareable_categories` enforces them, for every place that shows
+    consent (``consent show``, ``contribute``, ``memory inspect``): shared is what the filter
+    lets leave for the record's tier now (nothing under opt_out or after revocation; never a
+    never-shared category such as clasp, never an excluded one), excluded the player's
+    exclusions, never_shared what no path may move."""
+    shared = shareable_categories(record, record.sharing_tier)
+    return {
+        "categories_shared": [c for c in DATA_CATEGORIES if c in shared],
+        "categories_excluded": [c for c in DATA_CATEGORIES if c in record.excluded_categories],
+        "never_shared": sorted(NEVER_SHARED),
+    }
 
 
 def training_examples(

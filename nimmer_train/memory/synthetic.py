@@ -14,6 +14,7 @@ from nimmer_train.errors import NimmerError
 from nimmer_train.memory.canon import Canon, add_canon, set_districts
 from nimmer_train.memory.companion import GOODS_TYPES, open_companion, record_session
 from nimmer_train.memory.consent import (
+    NEVER_SHARED,
     PLAYER,
     PROFILE_FILE,
     ConsentRecord,
@@ -175,16 +176,21 @@ def _draw_consent(
 ) -> str | None:
     """Draw shared and excluded categories and record the consent; the tier in force. A player
     already here keeps its consent when no ``tier`` is given, and its exclusions and revocation
-    when one is."""
+    when one is. The record is one ``consent set`` could make: never a never-shared category
+    (clasp) or an excluded one among the shared, and dated no later than now (the entries'
+    clock may run ahead of the wall clock: ``start`` defaults to 2027)."""
     categories = list(DATA_CATEGORIES)
     rng.random()  # once a drawn tier; kept so that a seed's later draws stay the same
-    shared = tuple(str(c) for c in rng.choice(categories, size=int(rng.integers(1, 5)), replace=False))
+    drawn = tuple(str(c) for c in rng.choice(categories, size=int(rng.integers(1, 5)), replace=False))
     excluded = tuple(str(c) for c in rng.choice(categories, size=int(rng.integers(0, 2)), replace=False))
+    shared = tuple(c for c in drawn if c not in NEVER_SHARED and c not in excluded)
+    now = min(now, time.time())
     if existing and tier is None:
         return get_consent(memory).sharing_tier
     if existing:  # a new tier, but the player's exclusions and revocation stand
         old = get_consent(memory)
         excluded = tuple(dict.fromkeys([*old.excluded_categories, *excluded]))
+        shared = tuple(c for c in shared if c not in excluded)
         set_consent(memory, ConsentRecord(tier or "opt_out", shared, excluded, now, old.revoked_at))
         return tier
     tier = tier or "opt_out"

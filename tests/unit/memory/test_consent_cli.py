@@ -109,18 +109,35 @@ def test_inspect_shows_tier_contributor_id_and_spend(
     memory = PlayerMemory(me, HashEmbedder())
     ident = contributor_id(memory)
     memory.close()
-    for r, eps in ((1, 0.5), (2, 0.8)):
+    told = ({"rounds_done": 0, "not_released": []}, {"rounds_done": 1, "not_released": []})
+    for (r, eps), outcome in zip(((1, 0.5), (2, 0.8)), told, strict=True):
         record(
-            me, "round", federation="fl.example:8000", round=r, tier="A1_federated", left="masked update",
-            examples_used=12, epsilon=eps, epsilon_local=3.0, delta=1e-5,
+            me, "round", federation="fl.example:8000", federation_id="f-1", round=r, tier="A1_federated",
+            left="masked update", examples_used=12, epsilon=eps, epsilon_local=3.0, delta=1e-5,
+            outcome=outcome,
         )  # fmt: skip
     assert main(["memory", "inspect", str(me)]) == 0
     fed = _out(capsys)["federation"]
     assert fed["contributor_id"] == ident
-    assert fed["spend"] == {
-        "fl.example:8000": {"rounds": 2, "last_round": 2, "epsilon": 0.8, "epsilon_local": 3.0, "delta": 1e-5}
-    }
+    assert fed["spend"] == {  # round 1 released (round 2's instructions say so), round 2 pending
+        "f-1": {
+            "federation": "fl.example:8000", "rounds": 2, "released": 1, "not_released": 0, "pending": 1,
+            "last_round": 2, "epsilon": 0.5, "epsilon_if_pending_released": 0.8, "epsilon_local": 3.0,
+            "delta": 1e-5,
+        }
+    }  # fmt: skip
+    assert fed["spend_total"]["epsilon_a1_user_level_sum"] == 0.5
     assert main(["contributions", str(me)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 and "round 2 of fl.example:8000" in lines[1] and "epsilon 0.8" in lines[1]
+    assert (
+        "round 1 of fl.example:8000" in lines[0]
+        and "epsilon 0.5" in lines[0]
+        and "round released" in lines[0]
+    )
+    assert (
+        "round 2 of fl.example:8000" in lines[1]
+        and "epsilon 0.8" in lines[1]
+        and "if this round is" in lines[1]
+    )
+    assert lines[2].startswith("spend in fl.example:8000 (federation f-1)") and lines[3].startswith("total")
     assert "player-7f3e" not in (me / "contributions.jsonl").read_text()  # ids stay out of the log too
