@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from nimmer_train.artifacts import MANIFEST, atomic_dir, file_table, write_json_atomic
+from nimmer_train.artifacts import MANIFEST, atomic_dir, file_table, write_json_atomic, write_secret
 from nimmer_train.backup.device import DeviceKey
 from nimmer_train.backup.sealing import BackupError, seal
 from nimmer_train.backup.service import MAX_BODY_BYTES, BackupClient
@@ -131,7 +131,7 @@ def unpack(bundle: bytes, target: Path, what: str) -> list[dict[str, Any]]:
     with atomic_dir(target) as staging:
         for path, data in parts:
             (staging / path).parent.mkdir(parents=True, exist_ok=True)
-            (staging / path).write_bytes(data)
+            write_secret(staging / path, data)  # 0600: the player's own patterns
     return files
 
 

@@ -1,5 +1,6 @@
 """``nimmer backup``: the player's own LoRAs (``PLAYER_DIR/loras/<name>/``) sealed on this device
-and kept on the backup host (``backup/player_loras.py``): create, list, restore.
+and kept on the backup host (``backup/player_loras.py``): create, list, restore; and ``serve``,
+the operator's host (``backup/service.py`` under ``backup/serving.py``'s deadlines).
 
 The passphrase (or, with ``--recovery-code``, a recovery code) is read from the terminal without
 echo, or as the first line of stdin when it is not a terminal; it is never an argument."""
@@ -40,9 +41,15 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     for cmd in (create, listing, restore):
         cmd.add_argument("--host", required=True, help="the backup host's URL (e.g. https://backup.example)")
+    serve = cmds.add_parser("serve", help="the operator's backup host (ciphertext and metadata only)")
+    serve.add_argument("--folder", type=Path, required=True, help="its SQLite metadata and blob files")
+    serve.add_argument("--bind", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8480)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        return _serve(args)
     try:
         client = player_loras.device_client(args.player_dir, args.host)
         if args.command == "create":
@@ -129,4 +136,14 @@ def _restore(args: argparse.Namespace, client: BackupClient) -> int:
         print(
             f"restored {row['lora_name']} v{row['lora_version']} ({row['backup_id']}) into {target}: verified"
         )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from nimmer_train.backup.service import local_app
+    from nimmer_train.backup.serving import serve
+
+    app = local_app(args.folder)
+    print(f"backup host on http://{args.bind}:{args.port}, storing in {args.folder}", flush=True)
+    serve(app, args.bind, args.port, log_level="info", access_log=False)  # deadlines on slow clients
     return 0

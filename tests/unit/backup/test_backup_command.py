@@ -96,6 +96,7 @@ def test_create_list_and_restore_a_missing_lora_with_a_recovery_code(
     assert _backup(monkeypatch, url, "restore", str(player), "--recovery-code", secret=codes[5].lower()) == 0
     assert f"restored {NAME} v2" in capsys.readouterr().out
     assert _files(player / LORAS / NAME) == original
+    assert all(p.stat().st_mode & 0o077 == 0 for p in (player / LORAS / NAME).iterdir())  # the player's only
     assert PeftConfig.from_pretrained(str(player / LORAS / NAME)).r == 4  # PEFT reads it again
     assert _backup(monkeypatch, url, "list", str(player)) == 0
     assert f"{NAME}: backed up as v2" in capsys.readouterr().out
