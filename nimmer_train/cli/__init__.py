@@ -13,7 +13,7 @@ nimmer consent show PLAYER_DIR | set TIER PLAYER_DIR | revoke PLAYER_DIR | exclu
 nimmer llm-config show PLAYER_DIR | set PLAYER_DIR --player-id ID [--casual-ring R ...] [--key-stdin TIER]
 nimmer contribute PLAYER_DIR --superlink HOST:PORT --root-certificates CA [--releases DIR] [--version V]
 nimmer contributions [upload | forget] PLAYER_DIR [--intake URL]
-nimmer backup create PLAYER_DIR NAME | list PLAYER_DIR | restore PLAYER_DIR [NAME] --host URL
+nimmer backup create DIR NAME | list DIR | restore DIR [NAME] --host URL | serve --folder HOST_DIR
 nimmer federation certs DIR --host HOST | a2 add|status|forget --pool POOL ... | a2 serve --folder DIR
 
 One module per command group: ``register`` gives the group's parser its subcommands, ``run`` runs
