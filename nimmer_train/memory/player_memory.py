@@ -22,6 +22,7 @@ count and last access updated.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -47,6 +48,7 @@ from nimmer_train.memory.schema import PRIMARY_MIGRATIONS
 from nimmer_train.memory.vector_index import VectorIndex
 
 PRIMARY_FILE = "primary.sqlite"
+log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 
@@ -251,11 +253,15 @@ class PlayerMemory:
             ids = [rowid for hit, rowid in top if hit.store == name]
             if ids:
                 db = self._store(name)
-                with db:
-                    db.executemany(
-                        "UPDATE entries SET access_count = access_count + 1, last_access = ? WHERE id = ?",
-                        [(now, i) for i in ids],
-                    )
+                try:
+                    with db:
+                        db.executemany(
+                            "UPDATE entries SET access_count = access_count + 1, last_access = ? "
+                            "WHERE id = ?",
+                            [(now, i) for i in ids],
+                        )
+                except apsw.BusyError:  # another process writes: the read stands, its bookkeeping waits
+                    log.warning("%s store busy: access counts of %d entries not updated", name, len(ids))
         return [
             replace(hit, entry=replace(hit.entry, access_count=hit.entry.access_count + 1, last_access=now))
             for hit, _ in top

@@ -2,7 +2,19 @@
 tier's ring, validate the reply against the turn's schema, write it back to the player's memory
 and hand the exchange to the agent's transcript indexer (issue 16), which indexes it as an
 episode crystal on its own thread: the turn pays a queue put, not an embedding. A turn never
-fails because of that indexing: a refused exchange is logged and the turn carries a warning."""
+fails because of that indexing: a refused exchange is logged and the turn carries a warning.
+
+The turn's shape (issue 40), built here once so every ring receives the same prompt: the bare
+prompt, then the knowledge stack within its budgets, then the conversation's last whole turns
+verbatim in what the ring's context still leaves (up to ``conversation_tokens``), then the reply's
+room. The stack is queried by the player's line and the conversation's last lines together
+(runtime/conversation.py ``query_vector``) and leaves out the lines already in the window; its
+memories show their dates. Both lines of a turn are remembered where the mode puts them
+(realworld: primary, with the conversation's durable outbox; in-between: the clasp only), each
+with the trait profile of the register that heard it and the turn's valence (affect and the
+events the game reported or the player's words imply). A memory write that fails does not fail
+the turn: the turn carries ``memory_write_pending`` and the write is retried at the next turn
+(or :meth:`NpcRuntime.retry_memory`) under the same event_uid."""
 
 from __future__ import annotations
 
@@ -18,16 +30,32 @@ from nimmer_train.agent.ingestion import Exchange
 from nimmer_train.config.providers import route
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.canon import assemble
-from nimmer_train.memory.player_memory import Mode, as_mode
+from nimmer_train.memory.entries import InvalidEntry
+from nimmer_train.memory.player_memory import Mode, Retrieved, as_mode
+from nimmer_train.runtime.conversation import (
+    RECENT_LINES,
+    Line,
+    clasp_turn_key,
+    from_entry,
+    line_uid,
+    query_vector,
+    session_of,
+    turn_events,
+    turn_valence,
+    window,
+)
 from nimmer_train.runtime.rings import Ring, RingReply
 from nimmer_train.runtime.selection import RegisterSelector, SelectionConfig
 from nimmer_train.runtime.tool_calls import turn_mode
 from nimmer_train.voice.prompt_dsl import (
+    NPC,
+    PLAYER,
     TURN_SCHEMA,
     AffectState,
     MemoryScope,
     ReplyError,
     TurnPrompt,
+    memory_item,
     validate_reply,
 )
 from nimmer_train.voice.registers import Register, RegistersConfig
@@ -78,6 +106,7 @@ class Turn:
     seconds: float
     timings: dict[str, float]  # select, knobs, assemble, generate, validate, write_back
     director_overrides: dict[str, dict[str, float]] = field(default_factory=dict)  # knob: from, to
+    window_lines: int = 0  # conversation lines shown verbatim in the prompt
 
 
 class NpcRuntime:
@@ -97,8 +126,13 @@ class NpcRuntime:
         transcripts: Any = None,  # an agent.ingestion.TranscriptIndexer; None: exchanges not indexed
         hormones: dict[str, Any] | None = None,  # NPC name -> agent.hormones.Hormones; else no mood
         session_id: str | None = None,  # the transcripts' session id; null: a fresh one
+        conversations: Any = None,  # a runtime.conversation.Conversations; None: no realworld window
+        conversation_tokens: int = 512,  # the most tokens the conversation window may take
     ) -> None:
         self.max_new_tokens = max_new_tokens
+        self.conversations, self.conversation_tokens = conversations, conversation_tokens
+        # in-between lines whose clasp write failed, as (npc, line): they wait in this process only
+        self.pending_clasp: list[tuple[str, Line]] = []
         self.hormones = hormones or {}
         self.transcripts = transcripts
         self.session_id = session_id or f"session-{uuid.uuid4().hex[:12]}"
@@ -117,24 +151,51 @@ class NpcRuntime:
             self.selectors[npc] = RegisterSelector(self.profiles, self.selection)
         return self.selectors[npc]
 
+    def _budgets(self, ring: Ring, bare: list[dict[str, str]], reply: int) -> tuple[dict[str, int], int]:
+        """The knowledge stack's budget per layer and the conversation window's: all of it within
+        what the ring's context leaves after the bare prompt and the reply. The stack keeps its
+        budgets (scaled down only when even they do not fit); the window takes what is left, up to
+        ``conversation_tokens``."""
+        budgets = dict(self.budgets) if self.memory is not None else {}
+        if not ring.context_tokens:
+            return budgets, self.conversation_tokens
+        room = ring.context_tokens - reply - ring.count(json.dumps(bare, ensure_ascii=False)) - CONTEXT_SLACK
+        scale = max(0.0, min(1.0, room / max(1, sum(budgets.values()))))
+        budgets = {k: int(v * scale) for k, v in budgets.items()}
+        return budgets, max(0, min(self.conversation_tokens, room - sum(budgets.values())))
+
+    def _history(self, npc: str, mode: Mode, local: bool) -> list[Line]:
+        """The conversation's recent lines, newest first: its realworld lines, and in the
+        in-between on a ring that keeps the prompt on the device, its clasp lines too (a remote
+        ring's prompt never carries them: the clasp has no transport path)."""
+        lines = self.conversations.recent(npc) if self.conversations is not None else []
+        if mode is Mode.IN_BETWEEN and local and self.memory is not None:
+            clasp = [line for n, line in self.pending_clasp if n == npc]
+            if self.memory.has_clasp():
+                entries = self.memory.session_entries(session_of(npc), Mode.IN_BETWEEN, RECENT_LINES)
+                clasp += [from_entry(e) for e in entries]
+            lines = sorted([*lines, *clasp], key=lambda line: (line.at, line.speaker == NPC), reverse=True)
+        return lines
+
     def _scope(
-        self, req: TurnRequest, mode: Any, ring: Ring, bare: list[dict[str, str]], reply: int
+        self, req: TurnRequest, mode: Any, ring: Ring, query: Any, budgets: dict[str, int], shown: list[Line]
     ) -> MemoryScope:
-        """The knowledge stack, each layer within its budget, all of it within what the ring's
-        context leaves after the bare prompt and the reply (budgets scale down to fit). The clasp
-        layer only for an in-process ring (``ring.local``; a ring that does not say is remote)."""
+        """The knowledge stack, each layer within its budget, the window's lines left out. The
+        clasp layer only for an in-process ring (``ring.local``; a ring that does not say is remote)."""
         if self.memory is None:
             return MemoryScope(layers=(), items=())
-        budgets = dict(self.budgets)
-        if ring.context_tokens:
-            room = (
-                ring.context_tokens - reply - ring.count(json.dumps(bare, ensure_ascii=False)) - CONTEXT_SLACK
-            )
-            scale = max(0.0, min(1.0, room / max(1, sum(budgets.values()))))
-            budgets = {k: int(v * scale) for k, v in budgets.items()}
         local = getattr(ring, "local", False) is True
+        exclude = frozenset(line.uid for line in shown)
         return assemble(
-            self.memory, req.district, req.player_utterance, mode, budgets, count=ring.count, local=local
+            self.memory,
+            req.district,
+            query,
+            mode,
+            budgets,
+            count=ring.count,
+            local=local,
+            exclude=exclude,
+            item=lambda hit: _dated(hit, req.npc),
         )
 
     def speak(self, req: TurnRequest, mode: Any = None) -> Turn:
@@ -160,18 +221,21 @@ class NpcRuntime:
         t["knobs"] = time.perf_counter()
         prompt = self._prompt(req, mode, ring, register, traits, knobs, hints)
         t["assemble"] = time.perf_counter()
+        events = turn_events(req.player_utterance, req.events)
+        fields = {
+            "emotional_valence": turn_valence(req.affect.valence, events),
+            "trait_engagement": register.traits,
+        }
         with turn_mode(mode):  # Ring C's memory tools follow the turn's mode (runtime/tool_calls.py)
             attempts = _speak_valid(ring, prompt, register, name, knobs, req.output_schema)
         withheld = clasp_withheld(mode, ring) if self.memory is not None else []
         withheld = [*routed, *withheld]
         w0 = time.perf_counter()
-        if self.memory is not None:  # the spoken line, in the store the mode allows (clasp in-between)
-            self.memory.write(
-                attempts.reply["utterance"], f"npc:{req.npc}", "working", "casual_dialog", mode=mode
-            )
+        # both lines, in the store the mode allows (clasp in-between); a failed write waits
+        withheld += self._remember(req.npc, req.player_utterance, attempts.reply, mode, fields)
         if self.transcripts is not None:
             try:
-                self._transcribe(req, attempts.reply, mode)
+                self._transcribe(req, attempts.reply, mode, fields)
             except Exception as exc:  # noqa: BLE001 - memory indexing never fails a turn
                 log.warning("turn of %s spoken but its exchange not indexed: %s", req.npc, exc)
                 withheld = [*withheld, "transcript_not_indexed"]
@@ -186,9 +250,10 @@ class NpcRuntime:
         }
         turn = _turn(req.npc, name, knobs, attempts, end - t["start"], timings, withheld)
         turn.director_overrides = directed
+        turn.window_lines = len(prompt.conversation)
         return turn
 
-    def _transcribe(self, req: TurnRequest, reply: dict[str, Any], mode: Any) -> None:
+    def _transcribe(self, req: TurnRequest, reply: dict[str, Any], mode: Any, fields: dict[str, Any]) -> None:
         """Queue the exchange for the indexer (it returns at once; a closed indexer raises).
 
         An in-between exchange goes with its mode, so the indexer writes it to the clasp store
@@ -210,9 +275,88 @@ class NpcRuntime:
                 self.transcripts.agent.clock(),
                 mode,
                 "casual_dialog",
+                valence=fields["emotional_valence"],
+                traits=dict(fields["trait_engagement"]),
             )
         )
         self.turns_spoken[(req.npc, store)] = n
+
+    def _remember(
+        self, npc: str, said: str, reply: dict[str, Any], mode: Mode, fields: dict[str, Any]
+    ) -> list[str]:
+        """Keep the turn's lines: realworld ones in the conversation store (the outbox) and
+        primary, in-between ones in the clasp only; the warning a turn carries if a write waits."""
+        pending = self.retry_memory()
+        utterance = str(reply.get("utterance", "")) or json.dumps(reply, ensure_ascii=False)
+        said_lines = [(PLAYER, said)] if said.strip() else []
+        lines_in = [*said_lines, (NPC, utterance)]
+        at = self.memory.clock() if self.memory is not None else time.time()
+        if mode is Mode.IN_BETWEEN:
+            key = clasp_turn_key(npc)
+            lines = [Line(w, text, at, line_uid(key, w), key, dict(fields)) for w, text in lines_in]
+            if self.memory is not None and not self._write(npc, lines, mode):
+                self.pending_clasp += [(npc, line) for line in lines]
+                pending = True
+        else:
+            if self.conversations is not None:
+                lines = self.conversations.append(npc, lines_in, at, fields)
+            else:
+                key = f"conv-{npc}-{uuid.uuid4().hex[:12]}"
+                lines = [Line(w, text, at, line_uid(key, w), key, dict(fields)) for w, text in lines_in]
+            written = self.memory is None or self._write(npc, lines, mode)
+            if written and self.conversations is not None:
+                self.conversations.mark([line.uid for line in lines])
+            pending = pending or not written
+        return ["memory_write_pending"] if pending else []
+
+    def _write(self, npc: str, lines: list[Line], mode: Mode) -> bool:
+        """Write ``lines`` to memory in one transaction; False when it failed and may be tried
+        again (a refused line is logged and counts as done: another try cannot change it)."""
+        items = [
+            {
+                "text": line.text,
+                "speaker": PLAYER if line.speaker == PLAYER else f"npc:{npc}",
+                "memory_class": "working",
+                "data_category": "casual_dialog",
+                "semantic_type": "episode",
+                "event_uid": line.uid,
+                "session_id": session_of(npc),
+                **line.fields,
+            }
+            for line in lines
+            if not self.memory.has(line.uid, mode)  # a retry: what is stored stays as it is
+        ]
+        try:
+            if items:
+                self.memory.write_many(items, mode)
+            return True
+        except InvalidEntry as exc:  # refused content (too long, ...): kept in the conversation only
+            log.error("turn lines of %s not remembered (refused by the store): %s", npc, exc)
+            if self.conversations is not None and mode is Mode.REALWORLD:
+                self.conversations.mark([line.uid for line in lines], written=-1)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a failed write never fails the turn: retried
+            log.warning("turn lines of %s not remembered yet (retried at the next turn): %s", npc, exc)
+            return False
+
+    def retry_memory(self) -> bool:
+        """Try again the memory writes that failed (this process's in-between ones, and the
+        conversation store's pending realworld lines, whoever left them); True if any still waits."""
+        if self.memory is None:
+            return False
+        waiting, self.pending_clasp = self.pending_clasp, []
+        for npc in dict.fromkeys(n for n, _ in waiting):
+            mine = [line for n, line in waiting if n == npc]
+            if not self._write(npc, mine, Mode.IN_BETWEEN):
+                self.pending_clasp += [(npc, line) for line in mine]
+        still = bool(self.pending_clasp)
+        if self.conversations is not None:
+            for npc, line in self.conversations.pending():
+                if self._write(npc, [line], Mode.REALWORLD):
+                    self.conversations.mark([line.uid])
+                else:
+                    still = True
+        return still
 
     def _ring(self, tier: str) -> Ring:
         if tier not in self.rings:
@@ -229,7 +373,8 @@ class NpcRuntime:
         knobs: SamplingKnobs,
         hints: tuple[str, ...] = (),
     ) -> TurnPrompt:
-        """The turn's prompt: the bare prompt first, then the memory that fits beside it."""
+        """The turn's prompt: the bare prompt first, then the memory that fits beside it, then the
+        conversation's last turns in what the context still leaves."""
         bare = TurnPrompt(
             role=register.role,
             trait_vector=dict(traits),
@@ -240,8 +385,18 @@ class NpcRuntime:
             output_schema=req.output_schema,
             player_utterance=req.player_utterance,
         )
-        scope = self._scope(req, mode, ring, ring.render(bare, register), knobs.max_new_tokens)
-        return dataclasses.replace(bare, memory_scope=MemoryScope(scope.layers, (*hints, *scope.items)))
+        budgets, room = self._budgets(ring, ring.render(bare, register), knobs.max_new_tokens)
+        history = self._history(req.npc, mode, getattr(ring, "local", False) is True)
+        shown = window(history, room, ring.count)
+        query: Any = req.player_utterance
+        if self.memory is not None and history:
+            query = query_vector(self.memory.embedder, req.player_utterance, history)
+        scope = self._scope(req, mode, ring, query, budgets, shown)
+        return dataclasses.replace(
+            bare,
+            memory_scope=MemoryScope(scope.layers, (*hints, *scope.items)),
+            conversation=tuple((line.speaker, line.text) for line in shown),
+        )
 
     def _mood(self, req: TurnRequest) -> tuple[TurnRequest, tuple[str, ...]]:
         """The NPC's hormones react to the turn's game events and to the player's words; the
@@ -259,6 +414,16 @@ class NpcRuntime:
         affect = AffectState(a.mood, min(1.0, max(-1.0, a.valence + dv)), min(1.0, max(0.0, a.arousal + da)))
         hints = tuple(f"(tone) {hint}" for hint in hormones.prompt_hints(now))
         return dataclasses.replace(req, affect=affect), hints
+
+
+def _dated(hit: Retrieved, npc: str) -> str:
+    """A memory as the prompt shows it: dated, and who said it (the player, this NPC: "you", or
+    another NPC by name) when a speaker is known."""
+    speaker = hit.entry.speaker
+    who = {PLAYER: "the player", f"npc:{npc}": "you"}.get(speaker)
+    if who is None and speaker.startswith("npc:"):
+        who = speaker.removeprefix("npc:")
+    return memory_item(hit.entry.text, hit.entry.created_at, who)
 
 
 def clasp_withheld(mode: Any, ring: Ring) -> list[str]:
