@@ -22,6 +22,12 @@ folder is the pull's own: a symlink in it is refused, files the manifest does no
 deleted before fetching, and what was verified is checked unchanged under the lock before the
 rename. A version already registered here is verified before its alias moves; one that fails is
 fetched again and its folder replaced (a repair).
+
+A mirror's releases folder (not one version's) is pulled by name through its signed index
+(``publish/index.py``, :func:`pull_from_mirror`): ``newest``, an alias or ``vN`` resolves to a
+label and the sha256 of its manifest; the index's signature is checked first, an index older than
+one this device already read from that publisher is refused, and the version's manifest must hash
+to what the index names before anything else is fetched.
 """
 
 from __future__ import annotations
