@@ -132,3 +132,16 @@ def test_an_index_older_than_one_already_read_is_refused(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sequence 2" in err[0] and "older than sequence 3" in err[0]
     assert _aliases(device) == {"production": V2}
+
+
+def test_promote_without_the_signing_key_moves_nothing(
+    mirror: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    releases, _, _ = mirror
+    before = (releases / INDEX).read_bytes()
+    missing = tmp_path / "elsewhere" / "publisher.key"
+    assert (
+        main(["versions", "--releases", str(releases), "promote", "v2", "--signing-key", str(missing)]) == 1
+    )
+    assert "no signing key at" in capsys.readouterr().err
+    assert _aliases(releases)["production"] == V1 and (releases / INDEX).read_bytes() == before
