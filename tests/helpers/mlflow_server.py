@@ -1,5 +1,6 @@
 """A real ``mlflow server`` process on a free loopback port over an existing store, for the
-length of a ``with`` block; and headless-Chromium screenshots of its UI.
+length of a ``with`` block; headless Chromium's rendering of its UI: the DOM after the React app
+ran (``--dump-dom``, what tests/e2e/test_mlflow_ui.py asserts on) and screenshots.
 
     python -m tests.helpers.mlflow_server WORKDIR OUT_DIR
 
@@ -9,19 +10,35 @@ OUT_DIR/registered_model.png. It needs Chromium (Debian: ``apt-get install chrom
 
 from __future__ import annotations
 
+import html
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 START_HANG_GUARD_S = 600  # startup is slow on a loaded machine; this only catches a hang
 CHROMIUM = ("chromium", "chromium-browser")
+# Chromium's virtual time (ms) for the React app to fetch and render, tried in turn until the page
+# shows what is awaited: a larger budget only on a loaded machine (a hang guard, not a bound)
+VIRTUAL_TIME_BUDGETS_MS = (20_000, 60_000, 180_000)
+HEADLESS = ("--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars")  # CI runs as root
+
+
+def runs_table_url(url: str, experiment_id: str) -> str:
+    """An experiment's runs table, every run a row: MLflow 3.17 opens an experiment in its GenAI
+    view unless ``workflowType=machine_learning``; sorted by name, nested runs are rows of their
+    own rather than folded under their parent."""
+    from nimmer_train.tracking import WORKFLOW_ML
+
+    query = f"{WORKFLOW_ML}&orderByKey=attributes.run_name&orderByAsc=true"
+    return f"{url}/#/experiments/{experiment_id}/runs?{query}"
 
 
 def server_env() -> dict[str, str]:
@@ -66,6 +83,40 @@ def chromium() -> str | None:
     return next((found for name in CHROMIUM if (found := shutil.which(name))), None)
 
 
+def dump_dom(url: str, budget_ms: int = VIRTUAL_TIME_BUDGETS_MS[0], height: int = 2400) -> str:
+    """The DOM of ``url`` after its scripts ran for ``budget_ms`` of Chromium's virtual time."""
+    binary = chromium()
+    if binary is None:
+        raise RuntimeError("Chromium is not installed (Debian: apt-get install chromium)")
+    size, budget = f"--window-size=1440,{height}", f"--virtual-time-budget={budget_ms}"
+    proc = subprocess.run(
+        [binary, *HEADLESS, size, budget, "--dump-dom", url],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return proc.stdout
+
+
+def page_text(dom: str) -> str:
+    """The text a reader sees in a dumped DOM: scripts and styles dropped, tags removed, entities
+    decoded, whitespace collapsed."""
+    dom = re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S | re.I)
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", dom))).strip()
+
+
+def rendered_text(url: str, ready: Callable[[str], bool]) -> str:
+    """The page's text once ``ready(text)`` holds, with larger virtual-time budgets in turn; the
+    last text when it never does (the caller's assertions then say what is missing)."""
+    text = ""
+    for budget in VIRTUAL_TIME_BUDGETS_MS:
+        text = page_text(dump_dom(url, budget))
+        if ready(text):
+            break
+    return text
+
+
 def screenshot(url: str, out: Path, width: int = 1440, height: int = 900) -> Path:
     """A PNG of ``url`` after its scripts ran (the MLflow UI renders client-side)."""
     binary = chromium()
@@ -74,8 +125,8 @@ def screenshot(url: str, out: Path, width: int = 1440, height: int = 900) -> Pat
     out.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(
         [
-            binary, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-            f"--window-size={width},{height}", "--virtual-time-budget=20000", f"--screenshot={out}", url,
+            binary, *HEADLESS, f"--window-size={width},{height}",
+            f"--virtual-time-budget={VIRTUAL_TIME_BUDGETS_MS[0]}", f"--screenshot={out}", url,
         ],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
@@ -83,9 +134,9 @@ def screenshot(url: str, out: Path, width: int = 1440, height: int = 900) -> Pat
 
 
 def ui_screenshots(url: str, experiment_id: str, model: str, out: Path) -> list[Path]:
-    """The experiment page and a registered model's page."""
+    """The experiment's runs table and a registered model's page."""
     return [
-        screenshot(f"{url}/#/experiments/{experiment_id}", out / "experiment.png"),
+        screenshot(runs_table_url(url, experiment_id), out / "experiment.png"),
         screenshot(f"{url}/#/models/{model}", out / "registered_model.png"),
     ]
 
