@@ -34,9 +34,26 @@ EXPECTED = {  # text each notebook's outputs must show
         "heldout_loss",
         "epsilon_a1_user_level",
         "accepted",
+        "A.1 user-level audit",  # read from the release's manifest (issue 42), not "not run"
     ],
-    "04_versions": ["nimmerworld-base-v1", "nimmerworld-base-v2", "production", "candidate", "signed_by"],
+    "04_versions": [
+        "nimmerworld-base-v1",
+        "nimmerworld-base-v2",
+        "production",
+        "candidate",
+        "signed_by",
+        "epsilon A.1 user-level",
+        "epsilon A.2 record-level",
+    ],
     "05_memory": [PLAYER_MARKER, AGENT_MARKER, "shareable_examples", "hormones over a simulated day"],
+    "06_signoff": [
+        "Sign-off: nimmerworld-base-v2",
+        "Sign-off: nimmerworld-base-v1",
+        "epsilon: A.1 user-level",
+        "epsilon: A.2 record-level",
+        "audit: A.1 user-level audit",
+        "carry: every register keeps a voice",
+    ],
 }
 
 
