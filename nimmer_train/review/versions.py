@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from nimmer_train.errors import NimmerError
-from nimmer_train.publish.listing import A1, A2, privacy_report
+from nimmer_train.publish.listing import A1, A2, caveat_label, privacy_report
 from nimmer_train.publish.registry import REGISTRY_FILE, Registry
 from nimmer_train.publish.signing import Keyring
 from nimmer_train.publish.versions import verify_version
@@ -53,6 +53,15 @@ def epsilons(folder: Path) -> dict[str, float | None]:
     return {EPSILON_LABELS[k]: report.get(k) for k in EPSILON_LABELS}
 
 
+def caveats(folder: Path) -> str:
+    """What to say beside a version's epsilons: each one's caveat label where it bounds nothing
+    ("epsilon A.1 user-level: NO MEANINGFUL GUARANTEE"), empty where none needs one."""
+    said = privacy_report(folder).get("caveats") or {}
+    return "; ".join(
+        f"{EPSILON_LABELS[k]}: {caveat_label(v)}" for k, v in said.items() if k in EPSILON_LABELS
+    )
+
+
 def versions(src: Sources) -> pd.DataFrame:
     """One row per published version: label, aliases, when, origin, both epsilons (A.1
     user-level, A.2 record-level), contributors, LoRAs."""
@@ -65,6 +74,7 @@ def versions(src: Sources) -> pd.DataFrame:
                 "released_at": v.row["released_at"],
                 "origin": v.row["base_model_origin"],
                 **epsilons(v.folder),
+                "privacy caveat": caveats(v.folder),
                 "contributors": v.row["contributors_count"],
                 "loras": ", ".join(f"{x['register']} ({x['relation']})" for x in reg.loras_for(v)),
                 "mlflow_model_version": v.row["mlflow_model_version"],
