@@ -41,6 +41,7 @@ from nimmer_train.loras.adapters import WEIGHTS, base_identity, read_metadata
 from nimmer_train.publish import card
 from nimmer_train.publish.listing import A1, A2, privacy_caveats
 from nimmer_train.publish.manifest import FORMAT, SIGNATURE, manifest_bytes, release_files
+from nimmer_train.publish.quantize import QUANTIZED, stage_quantized
 from nimmer_train.publish.registry import REGISTRY_FILE, Registry, Version, label_of
 from nimmer_train.publish.signing import load_private, sign, signature_bytes
 
@@ -67,6 +68,7 @@ class PublishRequest:
     voice: dict[str, Any] | None = None  # the voice report of this content (voice/quality.py)
     merged_dir: Path | None = None  # the merge already staged (publish/stage.py): copied, not redone
     carry: Carry | None = None  # the previous version's LoRAs, decided on these weights (rebase.py)
+    quantized: tuple[str, ...] = QUANTIZED  # GGUF bases for Ring A's quantized engine (quantize.py)
 
     def adapters(self) -> list[Path]:
         """Every register LoRA the version will list: its own, the retrained and the inherited."""
@@ -319,6 +321,9 @@ def _publish_locked(
         manifest = _version_manifest(
             req, label, fp, released_at, base_manifest, merged_meta, parent, compat, weights
         )
+        quantized = stage_quantized(staging, registry.releases, compat, weights, req.quantized)
+        if quantized is not None:  # listed, hashed and signed with every other file
+            manifest["quantized"] = quantized
         raw, signature = _write_signed(staging, manifest, req.license, url, label, key)
         _drill("staged")
     rows = {

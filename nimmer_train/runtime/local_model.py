@@ -78,7 +78,54 @@ def serving_dtype(name: str, device: str) -> Any:
     return torch.bfloat16 if name == "bfloat16" else torch.float32
 
 
-class LocalModel:
+class VersionSpeaker:
+    """What Ring A's two engines share: the register a LoRA voices, the chat template applied,
+    special tokens taken out of the player's text. A subclass sets ``tokenizer``, ``label``,
+    ``registers`` and ``merged_register``."""
+
+    tokenizer: Any
+    label: str
+    registers: list[str]
+    merged_register: str | None
+
+    def adapter_for(self, register: str | None) -> str | None:
+        """The LoRA that voices ``register`` on this version (None: the bare weights carry it)."""
+        if register is None or register == self.merged_register:
+            return None
+        if register not in self.registers:
+            raise NimmerError(
+                f"no register LoRA {register!r} fits {self.label}; "
+                f"fitting: {', '.join(self.registers) or 'none'}"
+            )
+        return register
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The tokenizer's special tokens (``<|im_end|>``...): never allowed inside a message."""
+        return tuple(t for t in getattr(self.tokenizer, "all_special_tokens", ()) if t)
+
+    def defused(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """``messages`` with every special token removed from all but system messages."""
+        out = []
+        for message in messages:
+            content = message["content"]
+            if message["role"] != "system":
+                for token in self.special_tokens:
+                    content = content.replace(token, "")
+                if content != message["content"]:
+                    log.warning("removed special tokens from a %s message (a forged turn?)", message["role"])
+            out.append({**message, "content": content})
+        return out
+
+    def _count(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class LocalModel(VersionSpeaker):
     """One loaded version and the engine that decodes for it (started at once)."""
 
     def __init__(
@@ -124,21 +171,6 @@ class LocalModel:
     ) -> LocalModel:
         keyring = Keyring.load(trusted_keys)
         return cls(open_version(releases, name, keyring), device, releases, keyring, settings)
-
-    def adapter_for(self, register: str | None) -> str | None:
-        """The LoRA that voices ``register`` on this version (None: the bare weights carry it)."""
-        if register is None or register == self.merged_register:
-            return None
-        if register not in self.registers:
-            raise NimmerError(
-                f"no register LoRA {register!r} fits {self.label}; "
-                f"fitting: {', '.join(self.registers) or 'none'}"
-            )
-        return register
-
-    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def prepare(
         self,
@@ -212,27 +244,6 @@ class LocalModel:
                     event.finish_reason,
                 )
             assert isinstance(event, Delta)
-
-    @property
-    def special_tokens(self) -> tuple[str, ...]:
-        """The tokenizer's special tokens (``<|im_end|>``...): never allowed inside a message."""
-        return tuple(t for t in getattr(self.tokenizer, "all_special_tokens", ()) if t)
-
-    def defused(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
-        """``messages`` with every special token removed from all but system messages."""
-        out = []
-        for message in messages:
-            content = message["content"]
-            if message["role"] != "system":
-                for token in self.special_tokens:
-                    content = content.replace(token, "")
-                if content != message["content"]:
-                    log.warning("removed special tokens from a %s message (a forged turn?)", message["role"])
-            out.append({**message, "content": content})
-        return out
-
-    def _count(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # --- adapters at run time, only as the signed registry allows ----------------------------
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from nimmer_train.voice.registers import Register
 from nimmer_train.voice.sampling import SamplingKnobs
 
 RINGS = ("A", "B", "C")
+ENGINES = ("torch", "llama")  # Ring A: the float32 reference, or llama.cpp on the GGUF files
+log = logging.getLogger(__name__)
 PROVIDERS = tuple(PROFILES)  # one row per provider: config/providers.py
 
 
@@ -140,18 +143,47 @@ class RingA:
     name = "A"
     local = True  # in-process: the only ring that may be given clasp memory
 
-    def __init__(self, model: Any, constrained: bool = True) -> None:
+    def __init__(self, model: Any, constrained: bool = True, warnings: list[str] | None = None) -> None:
         self.model, self.constrained = model, constrained
         self.context_tokens: int | None = model.context_tokens
+        self.warnings = list(warnings or [])  # carried by every reply (an engine fallback)
 
     @classmethod
-    def open(cls, releases: Any, name: str, trusted_keys: Any, constrained: bool = True) -> RingA:
+    def open(
+        cls,
+        releases: Any,
+        name: str,
+        trusted_keys: Any,
+        constrained: bool = True,
+        engine: str = "torch",
+        quant: str = "q4_k_m",
+        fallback: bool = False,
+    ) -> RingA:
         """A session's Ring A: ``name`` (e.g. ``production``) resolved in the registry now, the
-        version verified and loaded. A session keeps its version; a version pulled or promoted
-        meanwhile speaks from the next session on (close the model with ``ring.model.close()``)."""
+        version verified and loaded on ``engine`` (``torch``: the float32 reference;
+        ``llama``: its ``quant`` GGUF on llama.cpp). A session keeps its version; a version
+        pulled or promoted meanwhile speaks from the next session on (close the model with
+        ``ring.model.close()``). With ``fallback``, an engine that cannot run here, or a version
+        without quantized artifacts, falls back to the float32 path and every reply says so; a
+        file that fails verification never falls back."""
         from nimmer_train.runtime.local_model import LocalModel
 
-        return cls(LocalModel.open(releases, name, trusted_keys), constrained)
+        if engine not in ENGINES:
+            raise ConfigError("runtime.engine", f"{engine!r}; known: {', '.join(ENGINES)}")
+        if engine == "torch":
+            return cls(LocalModel.open(releases, name, trusted_keys), constrained)
+        from nimmer_train.publish.llama_binding import EngineUnavailable
+        from nimmer_train.runtime.quantized_model import NoQuantizedArtifacts, QuantizedModel
+
+        try:
+            return cls(QuantizedModel.open(releases, name, trusted_keys, quant), constrained)
+        except (EngineUnavailable, NoQuantizedArtifacts) as exc:
+            if not fallback:
+                raise
+            reason = str(exc).splitlines()[0]
+            warning = f"quantized_engine_fell_back_to_float32: {reason}"
+            log.warning("Ring A: %s", warning)
+            return cls(LocalModel.open(releases, name, trusted_keys), constrained, [warning])
 
     def count(self, text: str) -> int:
         return len(self.model.tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
@@ -171,6 +203,7 @@ class RingA:
             0.0,
             out.adapter,
             self.constrained,
+            list(self.warnings),
         )
 
 

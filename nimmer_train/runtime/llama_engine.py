@@ -1,0 +1,124 @@
+"""One llama.cpp context over a GGUF base with its GGUF register LoRAs: token ids in, the next
+token's logits out. Ring A's quantized path (:mod:`.quantized_model`) samples from those logits
+itself, with the project's grammar mask and knobs, so that both engines decode by one rule.
+
+One sequence at a time (a player talks to one NPC; llama.cpp's own batching of rows with
+different LoRAs is what it lacks, and ``nimmer serve``'s torch engine keeps). The KV cache of the
+last prompt is kept: a next prompt with the same LoRA reuses its common prefix (the system prompt
+and the knowledge stack change little between turns)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from nimmer_train.errors import NimmerError
+from nimmer_train.publish.llama_binding import binding, lock
+from nimmer_train.publish.quantize import read_base_key
+
+
+class LlamaContext:
+    """A loaded GGUF model, its context, and the LoRA adapters loaded onto it by register."""
+
+    def __init__(self, gguf: Path, n_ctx: int = 4096, threads: int | None = None) -> None:
+        lib, ffi = self.lib, self.ffi = binding()
+        self.path, self.base_key = gguf, read_base_key(gguf)
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.use_mmap = True
+        with lock():
+            self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
+        if self.model == ffi.NULL:
+            raise NimmerError(f"{gguf}: llama.cpp could not load this GGUF; publish the version again")
+        self.threads = threads or max(1, len(os.sched_getaffinity(0)))
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_ctx  # a whole prompt in one decode call
+        cparams.n_seq_max = 1
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.no_perf = True
+        with lock():
+            self.ctx = lib.llama_init_from_model(self.model, cparams)
+        if self.ctx == ffi.NULL:
+            lib.llama_model_free(self.model)
+            raise NimmerError(f"{gguf}: llama.cpp could not make a context of {n_ctx} tokens")
+        self.n_ctx = n_ctx
+        self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model)))
+        self.adapters: dict[str, object] = {}
+        self.cached: list[int] = []  # the tokens whose KV the context holds
+        self.active: str | None = None  # the adapter those were computed with
+        self.mutex = threading.Lock()  # one sequence at a time
+
+    def load_adapter(self, register: str, path: Path) -> None:
+        """Load ``register``'s GGUF LoRA; one converted for another base is refused by name."""
+        key = read_base_key(path)
+        if key != self.base_key:
+            raise NimmerError(
+                f"{path.name}: LoRA converted for base {str(key)[:12]}..., not for this base "
+                f"({str(self.base_key)[:12]}...); convert it from the LoRA trained on this version"
+            )
+        with lock():
+            adapter = self.lib.llama_adapter_lora_init(self.model, str(path).encode())
+        if adapter == self.ffi.NULL:
+            raise NimmerError(f"{path}: llama.cpp refused this LoRA (its shapes do not fit the base)")
+        self.adapters[register] = adapter
+
+    def _use(self, register: str | None) -> None:
+        if register == self.active:
+            return
+        lib = self.lib
+        lib.llama_clear_adapter_lora(self.ctx)
+        if register is not None:
+            if register not in self.adapters:
+                raise NimmerError(f"no GGUF LoRA for register {register!r}; loaded: {sorted(self.adapters)}")
+            lib.llama_set_adapter_lora(self.ctx, self.adapters[register], 1.0)
+        self.active, self.cached = register, []
+        lib.llama_kv_self_clear(self.ctx)
+
+    def _decode(self, tokens: list[int]) -> np.ndarray:
+        lib, ffi = self.lib, self.ffi
+        if len(self.cached) + len(tokens) > self.n_ctx:
+            raise NimmerError(
+                f"{len(self.cached) + len(tokens)} tokens do not fit the {self.n_ctx}-token context"
+            )
+        buf = ffi.new("int32_t[]", tokens)
+        rc = lib.llama_decode(self.ctx, lib.llama_batch_get_one(buf, len(tokens)))
+        if rc != 0:
+            self.cached = []
+            lib.llama_kv_self_clear(self.ctx)
+            raise NimmerError(f"llama_decode failed (code {rc})")
+        self.cached.extend(tokens)
+        out = lib.llama_get_logits_ith(self.ctx, -1)
+        return np.frombuffer(ffi.buffer(out, self.n_vocab * 4), dtype=np.float32).copy()
+
+    def prefill(self, prompt: list[int], register: str | None) -> np.ndarray:
+        """The logits after ``prompt`` under ``register``'s LoRA, reusing the cached prefix."""
+        self._use(register)
+        common = 0
+        for a, b in zip(self.cached, prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1)  # at least one token is decoded for its logits
+        if common < len(self.cached):
+            self.lib.llama_kv_self_seq_rm(self.ctx, 0, common, -1)
+            self.cached = self.cached[:common]
+        return self._decode(prompt[common:])
+
+    def step(self, token: int) -> np.ndarray:
+        """The logits after one more token."""
+        return self._decode([token])
+
+    def close(self) -> None:
+        lib = self.lib
+        with lock():
+            for adapter in self.adapters.values():
+                lib.llama_adapter_lora_free(adapter)
+            self.adapters = {}
+            if self.ctx is not None:
+                lib.llama_free(self.ctx)
+                lib.llama_model_free(self.model)
+                self.ctx = self.model = None

@@ -1,0 +1,151 @@
+"""Ring A on the quantized engine (``runtime.engine=llama``): a verified version's GGUF base
+(Q4_K_M by default, or Q8_0) and its GGUF register LoRAs in one llama.cpp context
+(:mod:`.llama_engine`), speaking one turn at a time.
+
+llama.cpp computes the logits; the next token is chosen here exactly as the torch engine chooses
+it (``runtime/engine.py``'s ``_choose``): the schema's grammar mask (:class:`RowGrammar`, the
+project's llguidance mask, so every reply is schema-valid under the same grammar), then every
+knob through :func:`warp_rows` (temperature, top-k, top-p, min-p, the repetition penalty on the
+reply's own tokens only, the no-repeat n-gram guard), then :func:`sample_rows` with the turn's
+seed. So no knob is approximated and none needs a compat warning; the draws differ from the
+float32 engine's only as far as the quantized logits do.
+
+The files are copied once into a private folder, hashed as they are copied (the bytes loaded are
+the bytes verified, as for the torch path), and only the ones this engine needs: tokenizer,
+config, the chosen GGUF base and the LoRA GGUFs, never the float32 safetensors."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nimmer_train.errors import NimmerError
+from nimmer_train.publish.signing import Keyring
+from nimmer_train.publish.versions import VerifiedVersion, _copy_verified, open_version
+from nimmer_train.runtime.llama_engine import LlamaContext
+from nimmer_train.runtime.local_model import Generation, VersionSpeaker
+from nimmer_train.voice.sampling import SamplingKnobs, sample_rows, warp_rows
+from nimmer_train.voice.structured import RowGrammar, bounded, chars_per_token, end_of_turn_ids
+
+QUANTS = ("q4_k_m", "q8_0")
+WEIGHTS = "model.safetensors"
+
+
+class NoQuantizedArtifacts(NimmerError):
+    """A version published without the GGUF files the quantized engine runs."""
+
+
+def quantized_section(version: VerifiedVersion, quant: str) -> dict[str, Any]:
+    """The signed manifest's ``quantized`` entry, checked to name ``quant``'s base."""
+    section = version.manifest.get("quantized")
+    if not isinstance(section, dict) or not section.get("bases"):
+        raise NoQuantizedArtifacts(
+            f"{version.label} was published without quantized artifacts; publish it again, or use "
+            "runtime.engine=torch"
+        )
+    if quant not in section["bases"]:
+        raise NoQuantizedArtifacts(
+            f"{version.label} ships {', '.join(section['bases'])}, not {quant}; set runtime.quant to one"
+        )
+    return section
+
+
+class QuantizedModel(VersionSpeaker):
+    """One verified version on llama.cpp: the same ``generate`` as :class:`LocalModel`."""
+
+    def __init__(
+        self, version: VerifiedVersion, quant: str = "q4_k_m", threads: int | None = None, n_ctx: int = 4096
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        section = quantized_section(version, quant)
+        self.version, self.label, self.quant, self.engine = version, version.label, quant, "llama"
+        lora_paths = {r: p for r, p in section.get("loras", {}).items() if r in version.loras}
+        wanted = {section["bases"][quant], *lora_paths.values()}
+        files = [
+            f
+            for f in version.manifest["blob_distribution"]["files"]
+            if f["path"] in wanted or not (f["path"].startswith("quantized/") or f["path"] == WEIGHTS)
+        ]
+        self._tmp = Path(tempfile.mkdtemp(prefix="nimmer-quantized-"))
+        try:
+            folder = _copy_verified(version.folder, files, self._tmp, version.label)
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+            self.context = LlamaContext(folder / section["bases"][quant], n_ctx=n_ctx, threads=threads)
+            for register, rel in sorted(lora_paths.items()):
+                self.context.load_adapter(register, folder / rel)
+        except BaseException:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise
+        self.registers = sorted(lora_paths)
+        merged = version.manifest.get("merged_adapter") or {}
+        self.merged_register: str | None = merged.get("register")
+        self.stop_ids = end_of_turn_ids(self.tokenizer)
+        self.chars_per_token = chars_per_token(self.tokenizer)
+        self.n_vocab = self.context.n_vocab
+        self.context_tokens = n_ctx
+        self.lock = threading.Lock()
+
+    @classmethod
+    def open(
+        cls, releases: Path, name: str, trusted_keys: Path, quant: str = "q4_k_m", threads: int | None = None
+    ) -> QuantizedModel:
+        return cls(open_version(releases, name, Keyring.load(trusted_keys)), quant, threads)
+
+    def generate(
+        self,
+        messages: list[dict[str, str]],
+        register: str | None,
+        knobs: SamplingKnobs,
+        schema: dict[str, Any] | None = None,
+        seed: int | None = None,
+    ) -> Generation:
+        """One reply (the special tokens taken out of the player's text, as the torch engine
+        does); turns from several threads are spoken one after another."""
+        adapter = self.adapter_for(register)
+        prompt = self.prompt_ids(self.defused(messages))
+        grammar = None
+        if schema is not None:
+            fitted = bounded(schema, knobs.max_new_tokens, self.chars_per_token, self._count)
+            grammar = RowGrammar(self.tokenizer, fitted, self.n_vocab, knobs.max_new_tokens)
+        generator = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns()) % 2**63)
+        with self.lock:
+            started = time.perf_counter()
+            ids, finish = self._decode(prompt, adapter, knobs, grammar, generator)
+            seconds = time.perf_counter() - started
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return Generation(text, len(prompt), len(ids), seconds, adapter, finish)
+
+    def _decode(
+        self, prompt: list[int], adapter: str | None, knobs: SamplingKnobs, grammar: Any, generator: Any
+    ) -> tuple[list[int], str]:
+        """The reply's token ids and its finish reason (stop | length)."""
+        logits = self.context.prefill(prompt, adapter)
+        ids: list[int] = []
+        while True:
+            scores = torch.from_numpy(logits)[None]
+            if grammar is not None:
+                scores = scores.masked_fill(~grammar.allowed(len(ids), scores.shape[-1])[None], float("-inf"))
+            scores = warp_rows(scores, [knobs], [ids])
+            if bool(torch.isneginf(scores).all()):  # nothing allowed (a grammar in error): end
+                return ids, "stop"
+            token = sample_rows(scores, [generator])[0]
+            ids.append(token)
+            if grammar is not None:
+                grammar.consume(token)
+            if token in self.stop_ids:
+                return ids, "stop"
+            if len(ids) >= knobs.max_new_tokens:
+                return ids, "length"
+            logits = self.context.step(token)
+
+    def close(self) -> None:
+        with self.lock:
+            self.context.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
