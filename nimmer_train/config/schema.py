@@ -325,6 +325,9 @@ class PublishConfig:
     create_signing_key: bool = True  # no key yet: make one and trust it (set false on a release machine)
     trusted_keys: str = "${paths.workdir}/keys/trusted"  # *.pub a loader accepts; ships with the runtime
     base_dir: str | None = None  # a built base folder; null: the one this config builds
+    # the register adapter folders to publish; null: the ones this config's lora settings train
+    # (named by their fingerprints; run alone, publish fails naming any that is missing)
+    adapters: list[str] | None = None
     merge_federated: bool = True  # also publish the base with this config's federated adapter merged in
     merge_adapter: str | None = None  # merge this adapter folder instead (a federated or A.2 adapter)
     blob_base_url: str | None = None  # download location players see; null: file:// of releases_dir
@@ -345,6 +348,9 @@ class RuntimeConfig:
     releases_dir: str = "${publish.releases_dir}"
     trusted_keys: str = "${publish.trusted_keys}"  # the publisher keys the runtime accepts
     player_dir: str = "${paths.workdir}/players/demo-player"  # memory the turns read and write
+    # the demo NPC agent's folder (MEMORY.md, memory/, hormones.sqlite, its crystal stores): under
+    # runtime/, which git ignores, so that `make demo` leaves nothing untracked in the repository
+    agent_dir: str = "${paths.workdir}/runtime/agents/demo-npc"
     decay: float = 0.8  # gesture accumulator: weight of the past per turn
     margin: float = 0.1  # hysteresis: a challenger must win by more than this...
     patience: int = 3  # ... on this many consecutive turns

@@ -46,7 +46,7 @@ def speak_demo(cfg: Config, pipeline: str = "speak") -> SpeakResult:
     the voice report (``runtime/voice_report.json``), the agent's memory session (its
     ``memory_status`` logged) and one dream."""
     workdir = Path(cfg.paths.workdir).resolve()
-    agent = workdir / "agents" / "demo-npc"
+    agent = Path(cfg.runtime.agent_dir).resolve()
     with contextlib.ExitStack() as indexing:
         transcripts = indexing.enter_context(agent_transcripts(agent))
 
