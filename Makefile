@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# make demo EXPERIMENT=real_small: the pipeline on SmolLM2-135M (issue 15)
+# make demo: the pipeline on SmolLM2-135M (issue 38); make demo EXPERIMENT=tiny: the ~9M scratch model, minutes
 EXPERIMENT ?= demo
 
 demo: install

@@ -36,6 +36,7 @@ from nimmer_train.base.stage import build_base_stage
 from nimmer_train.config import Config
 from nimmer_train.corpus.ingest import IngestResult
 from nimmer_train.corpus.stage import ingest_stage
+from nimmer_train.errors import NimmerError
 from nimmer_train.publish.listing import print_versions
 from nimmer_train.synth.stage import synthesize_stage
 from nimmer_train.synth.synthesize import SynthResult
@@ -60,8 +61,44 @@ class RunAllResult:
     speak: SpeakResult | None
 
 
+QUICK = "make demo EXPERIMENT=tiny"  # the scratch preset: every stage in minutes, no wheel needed
+REAL_BASE_MEMORY_GIB = 6.0  # a pretrained base (SmolLM2-135M): training, the federation's nodes, serving
+
+
+def available_memory_gib() -> float | None:
+    """Memory the kernel says a new process can use (MemAvailable), None where it does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def preflight(cfg: Config, memory_gib: float | None = None) -> None:
+    """Before any work: a base from a wheel's GGUF needs the wheel and the memory to train it; a
+    machine without either gets one line that names the quick preset."""
+    if not cfg.model.gguf_package or not cfg.model.gguf_file:
+        return
+    from nimmer_train.base.from_gguf import locate
+
+    try:
+        locate(cfg.model.gguf_package, cfg.model.gguf_file)
+    except NimmerError as exc:
+        raise NimmerError(f"{exc}; or run the quick preset on a scratch model: {QUICK}") from None
+    memory_gib = available_memory_gib() if memory_gib is None else memory_gib
+    if memory_gib is not None and memory_gib < REAL_BASE_MEMORY_GIB:
+        raise NimmerError(
+            f"model={cfg.model.name} needs about {REAL_BASE_MEMORY_GIB:g} GiB of free memory, this "
+            f"machine has {memory_gib:.1f} GiB available; free some, or run the quick preset on a "
+            f"scratch model: {QUICK}"
+        )
+
+
 def run_all(cfg: Config) -> RunAllResult:
     """Every stage in order, each a nested run under one parent run in experiment run_all."""
+    preflight(cfg)
     # heavy (peft, trl, flwr, the runtime's engine): loaded when run_all runs, not on import
     from nimmer_train.federation.stage import federate_stage
     from nimmer_train.loras.stage import train_loras_stage
@@ -114,6 +151,6 @@ def print_summary(cfg: Config, result: RunAllResult) -> None:
         print(
             f"\nThese voices come from a {cfg.model.name} base trained from scratch in minutes, so the"
             " turns above are fragments. For NPCs that speak English, the same pipeline on a real"
-            " pretrained base (SmolLM2-135M from its wheel, about 40 minutes on 2 cores):\n"
-            "  make demo EXPERIMENT=real_small"
+            " pretrained base (SmolLM2-135M from its wheel): the default,\n"
+            "  make demo"
         )

@@ -15,7 +15,8 @@ def _result() -> RunAllResult:
 
 
 def test_a_scratch_base_points_to_the_real_base_and_a_pretrained_one_does_not(capsys) -> None:
-    print_summary(config("experiment=ci_tiny", "tracking.enabled=false"), _result())
-    assert "make demo EXPERIMENT=real_small" in capsys.readouterr().out
-    print_summary(config("experiment=real_small", "tracking.enabled=false"), _result())
-    assert "EXPERIMENT=real_small" not in capsys.readouterr().out
+    print_summary(config("experiment=tiny", "tracking.enabled=false"), _result())
+    out = capsys.readouterr().out
+    assert "trained from scratch" in out and "\n  make demo\n" in out
+    print_summary(config("experiment=demo", "tracking.enabled=false"), _result())
+    assert "trained from scratch" not in capsys.readouterr().out

@@ -17,7 +17,7 @@ from tests.helpers import REPO
         ["experiment=demo"],
         ["model=small"],
         ["model=smollm2_135m"],
-        ["experiment=real_small"],
+        ["experiment=tiny"],
         ["model=gemma4_e4b", "model.name_or_path=/models/gemma", "train=gpu_fsdp"],
         ["model=pretrained", "model.name_or_path=/models/x", "train=gpu_ddp"],
         ["experiment=ci_tiny", "train.launcher=torchrun", "train.nproc=2"],

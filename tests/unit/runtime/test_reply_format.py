@@ -66,15 +66,15 @@ def test_training_targets_decode_under_the_runtime_grammar(tiny_run: Path) -> No
 
 
 def _demo_tokenizer(tmp_path: Path):  # noqa: ANN202
-    """The demo base's tokenizer, trained as build_base trains it (on the ingested corpus)."""
-    cfg = config("experiment=demo", f"paths.workdir={tmp_path}")
+    """The tiny preset base's tokenizer, trained as build_base trains it (on the ingested corpus)."""
+    cfg = config("experiment=tiny", f"paths.workdir={tmp_path}")
     dataset = load_from_disk(str(ingest(cfg.corpus, tmp_path / "artifacts").dataset_dir))
     return train_bpe(dataset["train"]["text"], cfg.model.vocab_size, cfg.model.max_position_embeddings)
 
 
-@pytest.mark.parametrize("preset", ["ci_tiny", "demo"])
+@pytest.mark.parametrize("preset", ["ci_tiny", "tiny"])
 def test_training_replies_fit_the_bounded_schema(preset: str, tiny_run: Path, tmp_path: Path) -> None:
-    """At the preset's runtime.max_new_tokens, every training reply (ci_tiny and demo train on the
+    """At the preset's runtime.max_new_tokens, every training reply (ci_tiny and tiny train on the
     same r1) is admitted by the caps Ring A decodes under and fits the token budget."""
     if preset == "ci_tiny":
         tokenizer = AutoTokenizer.from_pretrained(base_dir(tiny_run))
