@@ -28,7 +28,6 @@ from nimmer_train.artifacts import (
     federated_path,
     fingerprint,
     intact_manifest,
-    loras_path,
     read_manifest,
     sha256_file,
     source_fingerprint,
@@ -54,7 +53,7 @@ from nimmer_train.federation.client import Node
 from nimmer_train.federation.population import build_population, deliver_uploads
 from nimmer_train.federation.rounds import ServerSetup
 from nimmer_train.loras.adapters import read_metadata
-from nimmer_train.loras.stage import LoraResult
+from nimmer_train.loras.stage import LoraResult, configured_adapters
 from nimmer_train.privacy.accounting import Ledger
 
 log = logging.getLogger(__name__)
@@ -97,17 +96,16 @@ def locate(cfg: Config, loras: LoraResult | None) -> tuple[Path, Path, str]:
 
 
 def _find_adapter(cfg: Config) -> Path:
-    root = loras_path(cfg.paths.artifacts_dir())
+    """The adapter this config's LoRA settings train for the federated register (its
+    fingerprint), never whichever one on disk is newest."""
     register = cfg.federated.register or (cfg.lora.registers or cfg.registers.names)[0]
-    found = sorted(
-        (p for p in root.glob(f"*/{register}-*") if intact_manifest(p)), key=lambda p: p.stat().st_mtime
-    )
-    if not found:
+    adapter = configured_adapters(cfg).get(register)
+    if adapter is None or not intact_manifest(adapter):
         raise NimmerError(
-            f"no trained adapter for register {register!r} under {root}: run "
+            f"no trained adapter for register {register!r} at {adapter or 'lora.registers'}: run "
             "`python -m pipelines.train_loras` with the same overrides first, or set federated.adapter_dir"
         )
-    return found[-1]
+    return adapter
 
 
 @dataclass(frozen=True)
@@ -308,14 +306,12 @@ def _log_pool(pool: Path, fed: dict[str, Any]) -> None:
 
 
 def _log_federation(fed: dict[str, Any], out: Path, seconds: float) -> None:
-    """The federation's privacy outcome, duration, stop reason and records on the stage run: each
-    figure at the round it belongs to, the held-out loss before the first round at step 0 and the
-    totals at the last round, so that a per-round curve (epsilon, loss) ends on its total and
-    never turns back to step 0."""
+    """The federation's privacy outcome, duration, stop reason and records on the stage run. The
+    totals go at the last round's step (the rounds logged their own figures, the held-out loss
+    before round 1 at step 0), so that an epsilon curve ends on its total and never turns back
+    to step 0."""
     records = _records(out)
     last = max((int(r["round"]) for r in records), default=0)
-    if fed.get("heldout_loss_before") is not None:
-        mlflow.log_metric("heldout_loss", float(fed["heldout_loss_before"]), step=0)
     figures = {
         "epsilon_a1_user_level": fed["epsilon_a1_user_level"],  # None: no privacy guarantee
         "epsilon_a2_record_level": fed["epsilon_a2_record_level"],
