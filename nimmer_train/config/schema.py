@@ -264,11 +264,16 @@ class LoraConfig:
     sample_max_new_tokens: int = 224  # room for a whole reply: samples stop at the end-of-turn token
     seed: int = 0
     base_dir: str | None = None  # a published base folder; null: the one this config builds
+    # matmuls of the LoRA's training and held-out evaluation: bfloat16 is autocast over float32
+    # weights (the adapter is saved in float32); fast only where the device multiplies it natively
+    dtype: str = "float32"  # float32 | bfloat16
 
     def __post_init__(self) -> None:
         for name in ("rank", "alpha", "max_steps", "batch_size", "grad_accum_steps", "max_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"lora.{name}", "must be >= 1")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError("lora.dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
         if not 0 <= self.dropout < 1:
             raise ConfigError("lora.dropout", "must be in [0, 1)")
 
