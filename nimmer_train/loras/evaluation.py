@@ -311,7 +311,7 @@ def evaluate(
             counts[data_reg] = np.zeros((len(batch), len(TOKEN_CLASSES)), dtype=int)
             for j, col in enumerate(columns):
                 for i, (losses, row) in enumerate(
-                    zip(_losses(model, col, batch, tokenizer), batch, strict=True)
+                    zip(_losses(model, col, batch, tokenizer, settings.dtype), batch, strict=True)
                 ):
                     sums[data_reg][i, j], counts[data_reg][i] = _class_sums(losses, row["classes"])
         scores[name] = score(columns, sums, counts, settings.seed)
@@ -323,13 +323,16 @@ def evaluate(
     return Evaluation(names, scores, samples)
 
 
-def _losses(model: Any, column: str, batch: list[dict], tokenizer: Any) -> list[np.ndarray]:
-    """Per-token losses of ``batch`` under one column: the bare base or one adapter."""
+def _losses(
+    model: Any, column: str, batch: list[dict], tokenizer: Any, dtype: str = "float32"
+) -> list[np.ndarray]:
+    """Per-token losses of ``batch`` under one column: the bare base or one adapter, the forward
+    passes in ``dtype`` (``lora.dtype``)."""
     if column == BASE:
         with model.disable_adapter():
-            return token_losses(model, batch, tokenizer.pad_token_id)
+            return token_losses(model, batch, tokenizer.pad_token_id, dtype)
     model.set_adapter(column)
-    return token_losses(model, batch, tokenizer.pad_token_id)
+    return token_losses(model, batch, tokenizer.pad_token_id, dtype)
 
 
 def _sample(

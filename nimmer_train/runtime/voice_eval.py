@@ -33,7 +33,7 @@ from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import read_metadata
 from nimmer_train.publish.release import PublishRequest, _stage_model
 from nimmer_train.publish.versions import VerifiedVersion
-from nimmer_train.runtime.local_model import LocalModel
+from nimmer_train.runtime.local_model import EngineSettings, LocalModel
 from nimmer_train.voice.composition import expand
 from nimmer_train.voice.prompt_dsl import TurnPrompt, render_compact
 from nimmer_train.voice.quality import GeneratedTurn, VoiceReport, heldout_summary, score, seed_classifier
@@ -223,9 +223,10 @@ def voice_eval(
 
 
 @contextlib.contextmanager
-def candidate_model(req: PublishRequest) -> Iterator[LocalModel]:
+def candidate_model(req: PublishRequest, dtype: str = "float32") -> Iterator[LocalModel]:
     """Ring A's model of what ``req`` publishes: the base's weights (the adapter merged in, in a
-    temporary folder, when it asks for a merge) and its register LoRAs but the merged register's."""
+    temporary folder, when it asks for a merge) and its register LoRAs but the merged register's,
+    decoding in ``dtype`` (the engine's: bfloat16 weights in memory, the published ones float32)."""
     with tempfile.TemporaryDirectory(prefix="nimmer-candidate-") as tmp:
         merged = read_metadata(req.merge_adapter)["register"] if req.merge_adapter else None
         if req.merge_adapter is None or req.merged_dir is not None:
@@ -252,7 +253,8 @@ def candidate_model(req: PublishRequest) -> Iterator[LocalModel]:
             "blob_distribution": {"files": files},
             "merged_adapter": {"register": merged} if merged else None,
         }
-        model = LocalModel(VerifiedVersion("candidate", folder, manifest, loras, lora_files))
+        version = VerifiedVersion("candidate", folder, manifest, loras, lora_files)
+        model = LocalModel(version, settings=EngineSettings(dtype=dtype))
         try:
             yield model
         finally:
@@ -268,7 +270,7 @@ def candidate_report(cfg: Config, req: PublishRequest) -> VoiceReport:
     heldout = heldout_of_adapters(adapters, cfg.paths.artifacts_dir()) or heldout_of_config(
         cfg.composition, cfg.curation.validation_fraction
     )
-    with candidate_model(req) as model:
+    with candidate_model(req, cfg.model.dtype) as model:  # the model's compute dtype (demo: bfloat16)
         return voice_eval(
             model, cfg.publish.voice_eval, cfg.registers, cfg.composition, heldout, req.evaluation
         )
