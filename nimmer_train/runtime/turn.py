@@ -128,7 +128,9 @@ class NpcRuntime:
         session_id: str | None = None,  # the transcripts' session id; null: a fresh one
         conversations: Any = None,  # a runtime.conversation.Conversations; None: no realworld window
         conversation_tokens: int = 512,  # the most tokens the conversation window may take
+        query_lines: int = 2,  # the player's lines before this one that join the memory query (0: none)
     ) -> None:
+        self.query_lines = query_lines
         self.max_new_tokens = max_new_tokens
         self.conversations, self.conversation_tokens = conversations, conversation_tokens
         # in-between lines whose clasp write failed, as (npc, line): they wait in this process only
@@ -390,7 +392,7 @@ class NpcRuntime:
         shown = window(history, room, ring.count)
         query: Any = req.player_utterance
         if self.memory is not None and history:
-            query = query_vector(self.memory.embedder, req.player_utterance, history)
+            query = query_vector(self.memory.embedder, req.player_utterance, history, self.query_lines)
         scope = self._scope(req, mode, ring, query, budgets, shown)
         return dataclasses.replace(
             bare,
