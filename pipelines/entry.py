@@ -264,9 +264,9 @@ def pipeline(stage: Callable[[Config], object]) -> Callable[[], None]:
         if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
             doc = sys.modules[stage.__module__].__doc__ or stage.__doc__ or ""
             print(f"{doc.strip()}\n")
-        precheck(sys.argv[1:])
-        _quiet_progress_bars()
         try:
+            precheck(sys.argv[1:])
+            _quiet_progress_bars()
             hydra_task()
         except (KeyboardInterrupt, _Interrupted) as exc:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
