@@ -165,8 +165,7 @@ def _adapter(
 ) -> Path:
     """The register's adapter in its own nested MLflow run: reused when an intact one exists,
     else trained and published."""
-    fp = adapter_fingerprint(name, register, inputs.base, inputs.datasets, cfg.lora)
-    out = lora_path(cfg.paths.artifacts_dir(), inputs.base_dir.name, name, fp)
+    fp, out = _adapter_dir(cfg, inputs.base_dir, inputs.base, inputs.datasets, name)
     with tracking.stage_run(cfg, pipeline, f"lora {name}") as run_id:
         _log_inputs(inputs, cfg.corpus.name)
         existing = intact_manifest(out)
@@ -178,6 +177,30 @@ def _adapter(
             mlflow.log_params({"register": name, **{f"traits.{k}": v for k, v in register.traits.items()}})
             mlflow.set_tags({"adapter_dir": str(out), "reused": str(bool(existing))})
     return out
+
+
+def _adapter_dir(
+    cfg: Config, base_dir: Path, base: dict[str, str], datasets: dict[str, str], name: str
+) -> tuple[str, Path]:
+    """(fingerprint, folder) of register ``name``'s adapter as this config trains it on the base."""
+    fp = adapter_fingerprint(name, cfg.registers.get(name), base, datasets, cfg.lora)
+    return fp, lora_path(cfg.paths.artifacts_dir(), base_dir.name, name, fp)
+
+
+def configured_adapters(cfg: Config, base_dir: Path | None = None) -> dict[str, Path]:
+    """The register adapters this config's LoRA settings train on ``base_dir`` (None: the base
+    train_loras would use), for ``lora.registers`` (else every register), by register: the folders
+    their fingerprints name, whether or not they exist yet. What a later stage run alone takes
+    (publish, federate), never whichever adapter is newest."""
+    artifacts = cfg.paths.artifacts_dir()
+    synth = find_synth(cfg.composition, cfg.registers, cfg.teacher, cfg.curation, artifacts)
+    corpus = find_corpus(cfg.corpus, artifacts)
+    if base_dir is None:
+        base_dir = Path(cfg.lora.base_dir) if cfg.lora.base_dir else plan(cfg, corpus, synth).out
+    datasets = {"synth": synth.fingerprint, "corpus": corpus.fingerprint}  # as _Inputs.datasets
+    base = base_identity(base_dir)
+    names = cfg.lora.registers if cfg.lora.registers is not None else cfg.registers.names
+    return {name: _adapter_dir(cfg, base_dir, base, datasets, name)[1] for name in names}
 
 
 def _train_and_publish(

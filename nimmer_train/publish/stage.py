@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import mlflow
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import MANIFEST, README, git_commit, intact_manifest, loras_path
+from nimmer_train.artifacts import MANIFEST, README, git_commit, intact_manifest
 from nimmer_train.config import Config
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import METADATA, read_metadata
@@ -61,15 +61,23 @@ def _base_dir(cfg: Config, base_dir: Path | None) -> Path:
 
 
 def _loras(cfg: Config, base_dir: Path, loras: LoraResult | None) -> list[Path]:
-    """The register adapters trained on this base: run_all's, else the newest intact one per register."""
+    """The register adapters to publish: run_all's; else ``publish.adapters``; else the ones this
+    config's lora settings train on this base (their fingerprints), never the newest on disk."""
     if loras is not None:
         return list(loras.adapters.values())
-    newest: dict[str, Path] = {}
-    root = loras_path(cfg.paths.artifacts_dir(), base_dir.name)
-    for folder in sorted(root.glob("*"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []:
-        if intact_manifest(folder):
-            newest[json.loads((folder / METADATA).read_text())["register"]] = folder
-    return [newest[r] for r in sorted(newest)]
+    if cfg.publish.adapters is not None:
+        named = {f"publish.adapters[{i}]": Path(a) for i, a in enumerate(cfg.publish.adapters)}
+    else:
+        from nimmer_train.loras.stage import configured_adapters
+
+        named = configured_adapters(cfg, base_dir)
+    missing = [f"{key} ({folder})" for key, folder in named.items() if intact_manifest(folder) is None]
+    if missing:
+        raise NimmerError(
+            f"no trained adapter for {', '.join(missing)}: run `python -m pipelines.train_loras` with "
+            "the same overrides first, or set lora.registers / publish.adapters to the adapters to publish"
+        )
+    return list(named.values())
 
 
 def _merge(cfg: Config, loras: LoraResult | None, federation: FederationResult | None) -> Path | None:
