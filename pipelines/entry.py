@@ -60,6 +60,8 @@ def _describe(exc: BaseException) -> str:
         after = str(cause).split("Available options")[1].split("Config search path")[0]
         options = [line.strip() for line in after.splitlines()[1:] if line.strip()]
         msg += f"; available: {', '.join(options)}"
+    if "hydra/sweeper/optuna" in msg:  # the plugin is a package of its own
+        msg += "; the Optuna sweeper is not installed: .venv/bin/pip install -e '.[sweep]' (make install)"
     head = str(exc).strip().splitlines()[0] if cause is not exc else ""
     where = f"config key '{key}': " if key else (f"{head} " if head and head != msg else "")
     hint = " (run with --cfg job to see the composed config)"
