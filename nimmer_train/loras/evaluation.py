@@ -36,6 +36,7 @@ from nimmer_train.config import LoraConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import load_all
 from nimmer_train.loras.train import Conversation, encode, token_losses
+from nimmer_train.progress import Progress
 from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, render_reply_spans
 from nimmer_train.voice.registers import RegistersConfig
 from nimmer_train.voice.sampling import NEUTRAL_WARPERS, baseline, knob_processors
@@ -301,9 +302,12 @@ def evaluate(
     names = list(adapters)
     columns = [BASE, *names]
     scores = {}
+    progress, done = Progress("train_loras held-out matrix", len(EVAL_SETS) * len(names)), 0
     for name in EVAL_SETS:
         sums, counts = {}, {}
         for data_reg in names:
+            progress.update(done)  # minutes on a real base: the ETA after the first register's row
+            done += 1
             batch = [
                 token_classes(tokenizer, c, settings.max_length) for c in heldout[name].get(data_reg, [])
             ]
@@ -315,6 +319,8 @@ def evaluate(
                 ):
                     sums[data_reg][i, j], counts[data_reg][i] = _class_sums(losses, row["classes"])
         scores[name] = score(columns, sums, counts, settings.seed)
+    progress.update(done)
+    progress.close()
     samples = [
         _sample(model, tokenizer, r, heldout["r1"][r][0], catalogue, settings)
         for r in names

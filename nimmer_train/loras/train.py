@@ -266,7 +266,6 @@ def encode(
     return {"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask, strict=True)]}
 
 
-@torch.no_grad()
 def compute_autocast(model: Any, dtype: str) -> Any:
     """bfloat16 autocast of ``model``'s matmuls where ``dtype`` (``lora.dtype``) asks for it, over
     its float32 weights; a no-op context for float32. (On this AVX512-BF16/AMX CPU a SmolLM2-135M
@@ -275,6 +274,7 @@ def compute_autocast(model: Any, dtype: str) -> Any:
     return torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
 
+@torch.no_grad()
 def token_losses(
     model: Any, batch: list[dict[str, list[int]]], pad_id: int, dtype: str = "float32"
 ) -> list[np.ndarray]:

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import tempfile
+import threading
 import time
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ import numpy as np
 from nimmer_train.artifacts import MANIFEST, README, file_table, intact_manifest, read_manifest, synth_path
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import read_metadata
+from nimmer_train.progress import Progress
 from nimmer_train.publish.release import PublishRequest, _stage_model
 from nimmer_train.publish.versions import VerifiedVersion
 from nimmer_train.runtime.local_model import EngineSettings, LocalModel
@@ -173,8 +175,20 @@ def generate_turns(
             return GeneratedTurn(p.register, None, time.perf_counter() - started, str(exc))
         return GeneratedTurn(p.register, out.text, out.seconds)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(16, len(prompts)))) as pool:
-        return list(pool.map(one, prompts))
+    progress, lock, done = Progress("voice report", len(prompts)), threading.Lock(), [0]
+
+    def counted(p: EvalPrompt) -> GeneratedTurn:
+        turn = one(p)
+        with lock:
+            done[0] += 1
+            progress.update(done[0])
+        return turn
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(prompts)))) as pool:
+            return list(pool.map(counted, prompts))
+    finally:
+        progress.close()
 
 
 def voice_eval(

@@ -33,10 +33,9 @@ def test_bfloat16_losses_are_close_to_float32_and_float32_is_exact() -> None:
     model = _tiny()
     seen: list[torch.dtype] = []
     hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    with torch.no_grad():
-        exact = token_losses(model, _batch(), pad_id=0)
-        again = token_losses(model, _batch(), pad_id=0, dtype="float32")
-        bf16 = token_losses(model, _batch(), pad_id=0, dtype="bfloat16")
+    exact = token_losses(model, _batch(), pad_id=0)  # no torch.no_grad() here: token_losses has its own
+    again = token_losses(model, _batch(), pad_id=0, dtype="float32")
+    bf16 = token_losses(model, _batch(), pad_id=0, dtype="bfloat16")
     hook.remove()
     assert seen[0] == torch.float32 and seen[-1] == torch.bfloat16  # the matmuls ran in bfloat16
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the weights stayed float32
