@@ -97,6 +97,7 @@ def pretrained_folder(cfg: ModelConfig, artifacts: Path) -> Path:
     out = pretrained_path(artifacts, cfg.name, fp)
     if intact_manifest(out) is not None:
         return out
+    log.info("converting %s to a float32 HF folder, once (about 30 s on 2 CPU cores)", ckpt.path.name)
     verify(ckpt)
     started = time.perf_counter()
     with atomic_dir(out) as staging:
