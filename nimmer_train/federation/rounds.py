@@ -154,6 +154,7 @@ def serve(
     configuration cannot stay within its budget raises BudgetExceeded before round 1.
     ``rng`` and ``order``: see :class:`NoisyMean` (tests only; production uses the OS's entropy)."""
     setup.work.mkdir(parents=True, exist_ok=True)
+    asking = AskingGrid(grid)  # which nodes the rounds ask: they are told the outcome at the end
     state = ServerState.load(setup.work)
     ledger = ledger_of(state.ledger, settings)
     if state.stopped not in (None, "completed"):
@@ -164,13 +165,13 @@ def serve(
         require_budget(settings, ledger, state, setup.a2_pool is not None)
         arrays = _start_arrays(state, setup, report)
         state.stopped = None
-        arrays = _rounds(grid, context, settings, setup, ledger, state, arrays, report, rng, order)
+        arrays = _rounds(asking, context, settings, setup, ledger, state, arrays, report, rng, order)
         state.stopped = state.stopped or "completed"
     release_pool_counts(state, ledger, settings, setup.a2_pool)
     state.ledger = asdict(ledger)
     state.save(setup.work, arrays)
     set_arrays(setup.model, arrays)
-    tell_outcome(grid, settings, setup.work, state)
+    tell_outcome(grid, settings, setup.work, state, asking.asked)
     return state
 
 
@@ -185,11 +186,30 @@ def outcome_config(work: Path, state: ServerState) -> dict[str, Any]:
     }
 
 
-def tell_outcome(grid: Grid, settings: FederatedConfig, work: Path, state: ServerState) -> None:
-    """The federation has ended: tell every node online which rounds were released and the
-    final user-level epsilon (an evaluate message, answered empty: ``Contributor.evaluate``), so
-    a device's log stops saying "if this round is released". A node that does not answer in
-    time learns nothing more; nothing depends on it."""
+class AskingGrid:
+    """The grid as the rounds use it, noting which nodes they sent a message to (``asked``);
+    everything else is the grid's."""
+
+    def __init__(self, grid: Grid) -> None:
+        self._grid, self.asked = grid, set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+        messages = list(messages)
+        self.asked.update(m.metadata.dst_node_id for m in messages)
+        return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+def tell_outcome(
+    grid: Grid, settings: FederatedConfig, work: Path, state: ServerState, asked: set[int]
+) -> None:
+    """The federation has ended: tell every node the rounds asked that is still online which
+    rounds were released and the final user-level epsilon (an evaluate message, answered empty:
+    ``Contributor.evaluate``), so a device's log stops saying "if this round is released". Only
+    those: a simulation builds a node's data only when it is asked. A node that does not answer
+    in time learns nothing more; nothing depends on it."""
     eps = epsilons(settings, state)["a1_user_level"]
     config = {
         **outcome_config(work, state),
@@ -202,7 +222,7 @@ def tell_outcome(grid: Grid, settings: FederatedConfig, work: Path, state: Serve
         Message(
             compat.evaluateins_to_recorddict(ins, True), dst_node_id=nid, message_type=MessageType.EVALUATE
         )
-        for nid in grid.get_node_ids()
+        for nid in sorted(set(grid.get_node_ids()) & asked)
     ]
     if not messages:
         return
