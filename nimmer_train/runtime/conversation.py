@@ -31,6 +31,7 @@ shown twice).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ CREATE INDEX lines_pending ON lines (written) WHERE written = 0;
 """
 CONVERSATION_MIGRATIONS = (CONVERSATION_SCHEMA_V1,)
 RECENT_LINES = 200  # lines read for a window (a budget rarely holds more)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def session_of(npc: str) -> str:
@@ -161,6 +163,12 @@ class Conversations:
 def _line(row: tuple) -> Line:
     speaker, text, at, uid, npc, turn, fields = row
     return Line(speaker, text, at, uid, f"conv-{npc}-t{turn}", json.loads(fields))
+
+
+def storable(text: str) -> str:
+    """``text`` as UTF-8 can store it: a lone surrogate (a broken client's half of a pair)
+    becomes U+FFFD, the rest of the line is kept."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def clasp_turn_key(npc: str) -> str:

@@ -40,6 +40,7 @@ from nimmer_train.runtime.conversation import (
     line_uid,
     query_vector,
     session_of,
+    storable,
     turn_events,
     turn_valence,
     window,
@@ -128,13 +129,14 @@ class NpcRuntime:
         session_id: str | None = None,  # the transcripts' session id; null: a fresh one
         conversations: Any = None,  # a runtime.conversation.Conversations; None: no realworld window
         conversation_tokens: int = 512,  # the most tokens the conversation window may take
-        query_lines: int = 2,  # the player's lines before this one that join the memory query (0: none)
+        query_lines: int = 1,  # the player's lines before this one that join the memory query (0: none)
     ) -> None:
         self.query_lines = query_lines
         self.max_new_tokens = max_new_tokens
         self.conversations, self.conversation_tokens = conversations, conversation_tokens
-        # in-between lines whose clasp write failed, as (npc, line): they wait in this process only
-        self.pending_clasp: list[tuple[str, Line]] = []
+        # lines whose memory write failed and that have no durable outbox (in-between ones, or
+        # realworld ones the conversation store could not take), as (npc, mode, line)
+        self.waiting: list[tuple[str, Mode, Line]] = []
         self.hormones = hormones or {}
         self.transcripts = transcripts
         self.session_id = session_id or f"session-{uuid.uuid4().hex[:12]}"
@@ -171,13 +173,14 @@ class NpcRuntime:
         in-between on a ring that keeps the prompt on the device, its clasp lines too (a remote
         ring's prompt never carries them: the clasp has no transport path)."""
         lines = self.conversations.recent(npc) if self.conversations is not None else []
+        lines += [line for n, m, line in self.waiting if n == npc and m is Mode.REALWORLD]
         if mode is Mode.IN_BETWEEN and local and self.memory is not None:
-            clasp = [line for n, line in self.pending_clasp if n == npc]
+            clasp = [line for n, m, line in self.waiting if n == npc and m is Mode.IN_BETWEEN]
             if self.memory.has_clasp():
                 entries = self.memory.session_entries(session_of(npc), Mode.IN_BETWEEN, RECENT_LINES)
                 clasp += [from_entry(e) for e in entries]
-            lines = sorted([*lines, *clasp], key=lambda line: (line.at, line.speaker == NPC), reverse=True)
-        return lines
+            lines += clasp
+        return sorted(lines, key=lambda line: (line.at, line.speaker == NPC), reverse=True)
 
     def _scope(
         self, req: TurnRequest, mode: Any, ring: Ring, query: Any, budgets: dict[str, int], shown: list[Line]
@@ -290,49 +293,52 @@ class NpcRuntime:
         primary, in-between ones in the clasp only; the warning a turn carries if a write waits."""
         pending = self.retry_memory()
         utterance = str(reply.get("utterance", "")) or json.dumps(reply, ensure_ascii=False)
-        said_lines = [(PLAYER, said)] if said.strip() else []
-        lines_in = [*said_lines, (NPC, utterance)]
+        said_lines = [(PLAYER, storable(said))] if said.strip() else []
+        lines_in = [*said_lines, (NPC, storable(utterance))]
         at = self.memory.clock() if self.memory is not None else time.time()
-        if mode is Mode.IN_BETWEEN:
-            key = clasp_turn_key(npc)
+        lines, outbox, warnings = None, False, []
+        if mode is Mode.REALWORLD and self.conversations is not None:
+            try:
+                lines, outbox = self.conversations.append(npc, lines_in, at, fields), True
+            except Exception as exc:  # noqa: BLE001 - the turn is answered; memory still gets it
+                log.warning("conversation store of %s did not take the turn: %s", npc, exc)
+                warnings.append("conversation_not_kept")
+        if lines is None:
+            key = clasp_turn_key(npc) if mode is Mode.IN_BETWEEN else f"conv-{npc}-{uuid.uuid4().hex[:12]}"
             lines = [Line(w, text, at, line_uid(key, w), key, dict(fields)) for w, text in lines_in]
-            if self.memory is not None and not self._write(npc, lines, mode):
-                self.pending_clasp += [(npc, line) for line in lines]
-                pending = True
-        else:
-            if self.conversations is not None:
-                lines = self.conversations.append(npc, lines_in, at, fields)
-            else:
-                key = f"conv-{npc}-{uuid.uuid4().hex[:12]}"
-                lines = [Line(w, text, at, line_uid(key, w), key, dict(fields)) for w, text in lines_in]
-            written = self.memory is None or self._write(npc, lines, mode)
-            if written and self.conversations is not None:
-                self.conversations.mark([line.uid for line in lines])
-            pending = pending or not written
-        return ["memory_write_pending"] if pending else []
+        written = self.memory is None or self._write(npc, lines, mode)
+        if written and outbox:
+            self.conversations.mark([line.uid for line in lines])
+        elif not written and not outbox:
+            self.waiting += [(npc, mode, line) for line in lines]
+        return [*warnings, *(["memory_write_pending"] if pending or not written else [])]
 
     def _write(self, npc: str, lines: list[Line], mode: Mode) -> bool:
         """Write ``lines`` to memory in one transaction; False when it failed and may be tried
-        again (a refused line is logged and counts as done: another try cannot change it)."""
-        items = [
-            {
-                "text": line.text,
-                "speaker": PLAYER if line.speaker == PLAYER else f"npc:{npc}",
-                "memory_class": "working",
-                "data_category": "casual_dialog",
-                "semantic_type": "episode",
-                "event_uid": line.uid,
-                "session_id": session_of(npc),
-                **line.fields,
-            }
-            for line in lines
-            if not self.memory.has(line.uid, mode)  # a retry: what is stored stays as it is
-        ]
+        again. A line already stored (a retry, or another process's retry of the same pending
+        line) is not written twice; a line the store refuses is logged and counts as done
+        (another try cannot change it)."""
         try:
+            items = [
+                {
+                    "text": line.text,
+                    "speaker": PLAYER if line.speaker == PLAYER else f"npc:{npc}",
+                    "memory_class": "working",
+                    "data_category": "casual_dialog",
+                    "semantic_type": "episode",
+                    "event_uid": line.uid,
+                    "session_id": session_of(npc),
+                    **line.fields,
+                }
+                for line in lines
+                if not self.memory.has(line.uid, mode)
+            ]
             if items:
                 self.memory.write_many(items, mode)
             return True
-        except InvalidEntry as exc:  # refused content (too long, ...): kept in the conversation only
+        except InvalidEntry as exc:
+            if all(self.memory.has(line.uid, mode) for line in lines):
+                return True  # another process wrote them first
             log.error("turn lines of %s not remembered (refused by the store): %s", npc, exc)
             if self.conversations is not None and mode is Mode.REALWORLD:
                 self.conversations.mark([line.uid for line in lines], written=-1)
@@ -342,18 +348,23 @@ class NpcRuntime:
             return False
 
     def retry_memory(self) -> bool:
-        """Try again the memory writes that failed (this process's in-between ones, and the
-        conversation store's pending realworld lines, whoever left them); True if any still waits."""
+        """Try again the memory writes that failed (the lines waiting in this process, and the
+        conversation store's pending lines, whoever left them); True if any still waits."""
         if self.memory is None:
             return False
-        waiting, self.pending_clasp = self.pending_clasp, []
-        for npc in dict.fromkeys(n for n, _ in waiting):
-            mine = [line for n, line in waiting if n == npc]
-            if not self._write(npc, mine, Mode.IN_BETWEEN):
-                self.pending_clasp += [(npc, line) for line in mine]
-        still = bool(self.pending_clasp)
+        waiting, self.waiting = self.waiting, []
+        for npc, mode in dict.fromkeys((n, m) for n, m, _ in waiting):
+            mine = [line for n, m, line in waiting if (n, m) == (npc, mode)]
+            if not self._write(npc, mine, mode):
+                self.waiting += [(npc, mode, line) for line in mine]
+        still = bool(self.waiting)
         if self.conversations is not None:
-            for npc, line in self.conversations.pending():
+            try:
+                pending = self.conversations.pending()
+            except Exception as exc:  # noqa: BLE001 - the store is busy or gone: next turn
+                log.warning("conversation store not read for pending lines: %s", exc)
+                return True
+            for npc, line in pending:
                 if self._write(npc, [line], Mode.REALWORLD):
                     self.conversations.mark([line.uid])
                 else:
@@ -390,9 +401,9 @@ class NpcRuntime:
         budgets, room = self._budgets(ring, ring.render(bare, register), knobs.max_new_tokens)
         history = self._history(req.npc, mode, getattr(ring, "local", False) is True)
         shown = window(history, room, ring.count)
-        query: Any = req.player_utterance
+        query: Any = storable(req.player_utterance)
         if self.memory is not None and history:
-            query = query_vector(self.memory.embedder, req.player_utterance, history, self.query_lines)
+            query = query_vector(self.memory.embedder, query, history, self.query_lines)
         scope = self._scope(req, mode, ring, query, budgets, shown)
         return dataclasses.replace(
             bare,

@@ -126,8 +126,9 @@ def test_a_conversation_longer_than_any_budget_slides_and_loses_nothing(tmp_path
     texts = {e.text for e in memory.entries()}
     assert set(lines) <= texts and len(texts) == 2 * len(lines)  # ...but nothing left memory
     assert runtime.conversations.count("oran") == 2 * len(lines)
-    clock.now += 60
-    runtime.speak(_request("What is my sister's name again?"))
+    for line in ("Let me ask about my sister.", "What is her name again?"):  # the topic, then a follow-up
+        clock.now += 60
+        runtime.speak(_request(line))
     last = ring.prompts[-1]
     assert any(facts[0] in item for item in last.memory_scope.items)  # found again, by relevance
     dated = next(item for item in last.memory_scope.items if facts[0] in item)
@@ -158,6 +159,26 @@ def test_a_memory_write_that_fails_mid_turn_is_retried_and_the_turn_answered(tmp
     assert texts.count("Remember: the well is poisoned.") == 1 and "And the river?" in texts
     assert not runtime.retry_memory()  # nothing waits; a second retry writes nothing twice
     assert [e.text for e in memory.entries()] == texts
+
+
+def test_a_conversation_store_that_cannot_take_a_turn_or_a_broken_line_never_fails_it(tmp_path: Path) -> None:
+    clock = Clock()
+    runtime, memory = _runtime(tmp_path / "p", EchoRing(local=True), clock)
+    runtime.conversations.db.setbusytimeout(50)
+    other = apsw.Connection(str(tmp_path / "p" / CONVERSATION_FILE))  # another process holds it
+    other.execute("BEGIN IMMEDIATE")
+    turn = runtime.speak(_request("The well is poisoned."))
+    other.execute("ROLLBACK")
+    other.close()
+    assert turn.reply["utterance"] == "Answer 1." and turn.feature_compat_warnings == [
+        "conversation_not_kept"
+    ]
+    assert "The well is poisoned." in {e.text for e in memory.entries()}  # memory still has it
+    clock.now += 60
+    turn = runtime.speak(_request("Half a pair: \ud800 and the rest."))  # a broken client's line
+    assert turn.feature_compat_warnings == []
+    assert "Half a pair: \ufffd and the rest." in {e.text for e in memory.entries()}
+    assert runtime.conversations.recent("oran")[-1].text == "Half a pair: \ufffd and the rest."
 
 
 def test_two_processes_appending_to_one_conversation_keep_every_turn(tmp_path: Path) -> None:
