@@ -33,7 +33,9 @@ class LlamaContext:
             self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
         if self.model == ffi.NULL:
             raise NimmerError(f"{gguf}: llama.cpp could not load this GGUF; publish the version again")
-        self.threads = threads or max(1, len(os.sched_getaffinity(0)))
+        # half the cores, at most 4: llama.cpp's threads spin while they wait, and on a shared or
+        # small machine (2 cores here) a second thread made a step 4x slower, not faster
+        self.threads = threads or max(1, min(4, len(os.sched_getaffinity(0)) // 2))
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_ctx  # a whole prompt in one decode call

@@ -1,0 +1,105 @@
+"""Ring A on the quantized engine (``RingA.open(engine="llama")``: the release's Q4_K_M GGUF and
+GGUF register LoRAs on llama.cpp): every turn schema-valid under the project's grammar, the
+register's LoRA applied, seeded turns repeatable, temperature 0 the logits' top token; it stays
+the in-process ring (the only one given clasp memory); a version or engine it cannot run falls
+back to float32 only when allowed, saying so in every reply; a tampered file never falls back."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nimmer_train.publish.manifest import IntegrityError
+from nimmer_train.runtime.quantized_model import NoQuantizedArtifacts, QuantizedModel
+from nimmer_train.runtime.rings import RingA
+from nimmer_train.voice.prompt_dsl import (
+    TURN_SCHEMA,
+    AffectState,
+    MemoryScope,
+    TurnPrompt,
+    render_compact,
+    validate_reply,
+)
+from nimmer_train.voice.registers import load_catalogue
+from nimmer_train.voice.sampling import SamplingKnobs
+
+KNOBS = SamplingKnobs(0.8, 0.9, 40, 1.1, 0.05, max_new_tokens=48, no_repeat_ngram_size=3)
+
+
+def _prompt(register: str) -> tuple[TurnPrompt, object]:
+    spec = load_catalogue().get(register)
+    prompt = TurnPrompt(
+        role=spec.role,
+        trait_vector=spec.traits,
+        affect_state=AffectState("watchful", valence=-0.1, arousal=0.5),
+        memory_scope=MemoryScope(),
+        turn_intent="answer the player in your own register",
+        zone_context="the water gate at dusk",
+        player_utterance="What news from the gate tonight?",
+    )
+    return prompt, spec
+
+
+def test_every_quantized_ring_a_turn_is_schema_valid_with_its_register_lora(
+    published: tuple[Path, Path],
+) -> None:
+    releases, trusted = published
+    ring = RingA.open(releases, "v1", trusted, engine="llama")
+    try:
+        assert isinstance(ring.model, QuantizedModel) and ring.model.quant == "q4_k_m"
+        assert ring.local and ring.constrained  # the in-process ring: the only one given clasp memory
+        for name in ring.model.registers:
+            prompt, spec = _prompt(name)
+            reply = ring.speak(prompt, spec, name, KNOBS)
+            assert (reply.ring, reply.adapter, reply.error, reply.feature_compat_warnings) == (
+                "A",
+                name,
+                None,
+                [],
+            )
+            assert validate_reply(reply.text, TURN_SCHEMA)  # raises if not schema-valid
+    finally:
+        ring.model.close()
+
+
+def test_seeded_turns_repeat_and_temperature_zero_takes_the_top_token(published: tuple[Path, Path]) -> None:
+    releases, trusted = published
+    model = QuantizedModel.open(releases, "v1", trusted, "q8_0", threads=1)
+    try:
+        name = model.registers[0]
+        messages = render_compact(_prompt(name)[0])
+        first = model.generate(messages, name, KNOBS, TURN_SCHEMA, seed=7)
+        assert model.generate(messages, name, KNOBS, TURN_SCHEMA, seed=7).text == first.text
+        greedy = SamplingKnobs(0.0, 1.0, 0, 1.0, 0.0, max_new_tokens=1)
+        token = model.tokenizer.encode(model.generate(messages, name, greedy, None, seed=1).text)
+        logits = model.context.prefill(model.prompt_ids(messages), name)
+        assert model.tokenizer.decode([int(logits.argmax())]) == model.tokenizer.decode(token)
+    finally:
+        model.close()
+
+
+def test_a_version_the_engine_cannot_run_falls_back_only_when_allowed(published: tuple[Path, Path]) -> None:
+    releases, trusted = published
+    with pytest.raises(NoQuantizedArtifacts, match="ships q4_k_m, q8_0, not q5_k_m; set runtime.quant"):
+        RingA.open(releases, "v1", trusted, engine="llama", quant="q5_k_m")
+    ring = RingA.open(releases, "v1", trusted, engine="llama", quant="q5_k_m", fallback=True)
+    try:
+        name = ring.model.registers[0]
+        prompt, spec = _prompt(name)
+        reply = ring.speak(prompt, spec, name, KNOBS)
+        assert not isinstance(ring.model, QuantizedModel)  # the float32 reference
+        assert reply.feature_compat_warnings[0].startswith("quantized_engine_fell_back_to_float32: ")
+    finally:
+        ring.model.close()
+
+
+def test_a_tampered_quantized_file_never_falls_back(published: tuple[Path, Path], tmp_path: Path) -> None:
+    releases, trusted = published
+    copy = tmp_path / "releases"
+    shutil.copytree(releases, copy)
+    target = next((copy / "nimmerworld-base-v1" / "quantized").glob("*.lora.gguf"))
+    target.write_bytes(target.read_bytes()[:-1])
+    with pytest.raises(IntegrityError, match=rf"quantized/{target.name}"):
+        RingA.open(copy, "v1", trusted, engine="llama", fallback=True)
