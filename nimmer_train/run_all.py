@@ -26,11 +26,15 @@ stage (``runtime/demo_sessions.speak_demo``), in its MLflow run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nimmer_train import tracking
+from nimmer_train.artifacts import MANIFEST
 from nimmer_train.base.build import BaseResult
 from nimmer_train.base.stage import build_base_stage
 from nimmer_train.config import Config
@@ -59,6 +63,7 @@ class RunAllResult:
     federation: FederationResult | None
     publish: PublishResult | None
     speak: SpeakResult | None
+    seconds: dict[str, float] = field(default_factory=dict)  # wall seconds of each stage that ran
 
 
 QUICK = "make demo EXPERIMENT=tiny"  # the scratch preset: every stage in minutes, no wheel needed
@@ -106,21 +111,69 @@ def run_all(cfg: Config) -> RunAllResult:
     from nimmer_train.runtime.demo_sessions import speak_demo
     from nimmer_train.runtime.voice_eval import candidate_report
 
-    speak = None
+    speak, seconds = None, {}
+
+    def timed(name: str, stage: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            return stage()
+        finally:
+            seconds[name] = time.perf_counter() - started
+
     with tracking.stage_run(cfg, "run_all", "run_all"):
-        corpus = ingest_stage(cfg, pipeline="run_all")
-        synth = synthesize_stage(cfg, pipeline="run_all")
-        base = build_base_stage(cfg, corpus, synth, pipeline="run_all")
-        loras = train_loras_stage(cfg, corpus, synth, base.path, pipeline="run_all")
-        federation = federate_stage(cfg, loras, pipeline="run_all") if cfg.federated.enabled else None
+        corpus = timed("ingest", lambda: ingest_stage(cfg, pipeline="run_all"))
+        synth = timed("synthesize", lambda: synthesize_stage(cfg, pipeline="run_all"))
+        base = timed("build_base", lambda: build_base_stage(cfg, corpus, synth, pipeline="run_all"))
+        loras = timed(
+            "train_loras", lambda: train_loras_stage(cfg, corpus, synth, base.path, pipeline="run_all")
+        )
+        federation = (
+            timed("federate", lambda: federate_stage(cfg, loras, pipeline="run_all"))
+            if cfg.federated.enabled
+            else None
+        )
         published = (
-            publish_stage(cfg, base.path, loras, federation, pipeline="run_all", voice=candidate_report)
+            timed(
+                "publish",
+                lambda: publish_stage(
+                    cfg, base.path, loras, federation, pipeline="run_all", voice=candidate_report
+                ),
+            )
             if cfg.publish.enabled
             else None
         )
         if published and published.versions and cfg.runtime.enabled:  # speak through what was published
-            speak = speak_demo(cfg, pipeline="run_all")
-    return RunAllResult(corpus, synth, base, loras, federation, published, speak)
+            speak = timed("speak", lambda: speak_demo(cfg, pipeline="run_all"))
+    return RunAllResult(corpus, synth, base, loras, federation, published, speak, seconds)
+
+
+def _duration(seconds: float) -> str:
+    return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s" if seconds >= 60 else f"{seconds:.0f}s"
+
+
+def voice_line(label: str, folder: Path) -> str | None:
+    """One line of a version's voice report (its manifest's): the overall figures and the weakest
+    register's accuracy; None when it has none."""
+    try:
+        report = json.loads((folder / MANIFEST).read_text()).get("voice_report") or {}
+    except (OSError, ValueError):
+        return None
+    overall, rows = report.get("overall") or {}, report.get("registers") or []
+    if not overall:
+        return None
+
+    def figure(row: dict[str, Any], key: str) -> str:
+        value = row.get(key)
+        return "n/a" if value is None else f"{value:.2f}"
+
+    known = [r for r in rows if r.get("register_accuracy") is not None]
+    weakest = min(known, key=lambda r: r["register_accuracy"]) if known else None
+    tail = f", weakest {weakest['register']} {weakest['register_accuracy']:.2f}" if weakest else ""
+    return (
+        f"{label} voices: schema-valid {figure(overall, 'schema_valid')}, English "
+        f"{figure(overall, 'english_rate')}, register accuracy {figure(overall, 'register_accuracy')}"
+        f"{tail}, distinct-2 {figure(overall, 'distinct_2')} ({overall.get('turns', '?')} turns)"
+    )
 
 
 def print_summary(cfg: Config, result: RunAllResult) -> None:
@@ -142,6 +195,13 @@ def print_summary(cfg: Config, result: RunAllResult) -> None:
             f"  register separability {sep.value:.2f} [{sep.low:.2f}, {sep.high:.2f}], mean held-out "
             f"loss gain {gain.value:.3f} [{gain.low:.3f}, {gain.high:.3f}] (utterance tokens)"
         )
+    for version in versions:
+        line = voice_line(version.label, version.folder)
+        if line:
+            print(f"  {line}")
+    if result.seconds:
+        stages = ", ".join(f"{name} {_duration(s)}" for name, s in result.seconds.items())
+        print(f"  stage times: {stages}; total {_duration(sum(result.seconds.values()))}")
     if versions:
         print(f"\n$ nimmer versions --releases {cfg.publish.releases_dir} list")
         print_versions(Path(cfg.publish.releases_dir))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 from types import SimpleNamespace
 
-from nimmer_train.run_all import RunAllResult, print_summary
+from nimmer_train.errors import NimmerError
+from nimmer_train.run_all import RunAllResult, print_summary, voice_line
 from tests.helpers.compose import config
 
 
@@ -20,3 +23,27 @@ def test_a_scratch_base_points_to_the_real_base_and_a_pretrained_one_does_not(ca
     assert "trained from scratch" in out and "\n  make demo\n" in out
     print_summary(config("experiment=demo", "tracking.enabled=false"), _result())
     assert "trained from scratch" not in capsys.readouterr().out
+
+
+def test_the_summary_shows_each_versions_voice_and_the_stage_times(tmp_path, capsys) -> None:
+    row = {"schema_valid": 1.0, "english_rate": 0.98, "distinct_2": 0.61, "turns": 40}
+    registers = [
+        {**row, "register": "caste-preacher", "register_accuracy": 1.0, "turns": 8},
+        {**row, "register": "imperial-ceremony-chorus", "register_accuracy": 0.5, "turns": 8},
+    ]
+    report = {"overall": {**row, "register": "all", "register_accuracy": 0.75}, "registers": registers}
+    (tmp_path / "manifest.json").write_text(json.dumps({"voice_report": report}))
+    version = SimpleNamespace(label="nimmerworld-base-v1", folder=tmp_path)
+    result = _result()
+    result.publish = SimpleNamespace(versions=[version])  # type: ignore[assignment]
+    result.seconds = {"ingest": 4.2, "build_base": 125.0}
+    cfg = config("experiment=demo", "tracking.enabled=false", f"publish.releases_dir={tmp_path}/rel")
+    with contextlib.suppress(NimmerError):  # no registry here: the listing after the voices fails
+        print_summary(cfg, result)
+    out = capsys.readouterr().out
+    assert (
+        "nimmerworld-base-v1 voices: schema-valid 1.00, English 0.98, register accuracy 0.75, weakest "
+        "imperial-ceremony-chorus 0.50, distinct-2 0.61 (40 turns)"
+    ) in out
+    assert "stage times: ingest 4s, build_base 2m05s; total 2m09s" in out
+    assert voice_line("v0", tmp_path / "nowhere") is None
