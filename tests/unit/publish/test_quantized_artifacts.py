@@ -1,4 +1,4 @@
-"""Every release ships its base as GGUF (Q8_0, Q4_K_M) and each register LoRA as a GGUF adapter,
+"""Every release ships its base as GGUF (Q8_0, Q4_1) and each register LoRA as a GGUF adapter,
 converted here with gguf-py and llama.cpp's own quantizer (the llama-cpp-cffi wheel): the
 unquantized conversion's logits agree with PyTorch's, base and LoRA; the files are signed with
 every other file, so a quantized file altered or missing refuses the version by name (on load
@@ -104,7 +104,7 @@ def test_a_lora_converted_for_another_base_is_refused_by_name(published: Path, t
 def test_the_release_signs_a_gguf_per_quant_and_per_register(published: Path) -> None:
     manifest = json.loads((published / "releases" / V1 / "manifest.json").read_text())
     section = manifest["quantized"]
-    assert section["bases"] == {"q8_0": "quantized/base.q8_0.gguf", "q4_k_m": "quantized/base.q4_k_m.gguf"}
+    assert section["bases"] == {"q8_0": "quantized/base.q8_0.gguf", "q4_1": "quantized/base.q4_1.gguf"}
     assert sorted(section["loras"]) == ["caste-preacher", "drunk-scavenger"]
     listed = {f["path"] for f in manifest["blob_distribution"]["files"]}
     assert {*section["bases"].values(), *section["loras"].values()} <= listed
@@ -119,7 +119,7 @@ def test_a_quantized_file_altered_or_missing_refuses_the_version_by_name(
 ) -> None:
     releases = tmp_path / "releases"
     shutil.copytree(published / "releases", releases)
-    target = releases / V1 / "quantized" / "base.q4_k_m.gguf"
+    target = releases / V1 / "quantized" / "base.q4_1.gguf"
     if damage == "missing":
         target.unlink()
     else:
@@ -127,8 +127,8 @@ def test_a_quantized_file_altered_or_missing_refuses_the_version_by_name(
         data[len(data) // 2] ^= 0x01
         target.write_bytes(bytes(data))
     trusted = Keyring.load(published / "keys" / "trusted")
-    with pytest.raises(IntegrityError, match=r"quantized/base\.q4_k_m\.gguf"):
+    with pytest.raises(IntegrityError, match=r"quantized/base\.q4_1\.gguf"):
         open_version(releases, "v1", trusted)
-    with pytest.raises((IntegrityError, PullError), match=r"quantized/base\.q4_k_m\.gguf"):  # pull too
+    with pytest.raises((IntegrityError, PullError), match=r"quantized/base\.q4_1\.gguf"):  # pull too
         pull_version(tmp_path / "device" / "releases", str(releases / V1), trusted)
     assert not (tmp_path / "device" / "releases" / V1).exists()

@@ -1,4 +1,4 @@
-"""Ring A on the quantized engine (``RingA.open(engine="llama")``: the release's Q4_K_M GGUF and
+"""Ring A on the quantized engine (``RingA.open(engine="llama")``: the release's Q4_1 GGUF and
 GGUF register LoRAs on llama.cpp): every turn schema-valid under the project's grammar, the
 register's LoRA applied, seeded turns repeatable, temperature 0 the logits' top token; it stays
 the in-process ring (the only one given clasp memory); a version or engine it cannot run falls
@@ -48,7 +48,7 @@ def test_every_quantized_ring_a_turn_is_schema_valid_with_its_register_lora(
     releases, trusted = published
     ring = RingA.open(releases, "v1", trusted, engine="llama")
     try:
-        assert isinstance(ring.model, QuantizedModel) and ring.model.quant == "q4_k_m"
+        assert isinstance(ring.model, QuantizedModel) and ring.model.quant == "q4_1"
         assert ring.local and ring.constrained  # the in-process ring: the only one given clasp memory
         for name in ring.model.registers:
             prompt, spec = _prompt(name)
@@ -82,7 +82,7 @@ def test_seeded_turns_repeat_and_temperature_zero_takes_the_top_token(published:
 
 def test_a_version_the_engine_cannot_run_falls_back_only_when_allowed(published: tuple[Path, Path]) -> None:
     releases, trusted = published
-    with pytest.raises(NoQuantizedArtifacts, match="ships q4_k_m, q8_0, not q5_k_m; set runtime.quant"):
+    with pytest.raises(NoQuantizedArtifacts, match="ships q4_1, q8_0, not q5_k_m; set runtime.quant"):
         RingA.open(releases, "v1", trusted, engine="llama", quant="q5_k_m")
     ring = RingA.open(releases, "v1", trusted, engine="llama", quant="q5_k_m", fallback=True)
     try:
