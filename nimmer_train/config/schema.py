@@ -361,6 +361,9 @@ class RuntimeConfig:
     patience: int = 3  # ... on this many consecutive turns
     max_new_tokens: int = 224  # every training reply fits, within bounded()'s caps too (docs/config.md)
     seed: int = 0
+    engine: str = "torch"  # Ring A: torch (the float32 reference) | llama (the release's GGUF on llama.cpp)
+    quant: str = "q4_1"  # engine=llama: the GGUF base, q4_1 or q8_0 (docs/runtime.md)
+    engine_fallback: bool = False  # engine=llama cannot run here: speak in float32, saying so in the turn
 
 
 @dataclass
