@@ -164,7 +164,12 @@ def _speak(cfg: Config, model: LocalModel, path: Path, transcripts: Any = None) 
     turns: list[Turn] = []
     try:
         with serve_process(releases, model.label, trusted) as url:
-            rings = {"casual": RingA(model), "deep": RingB(RingConfig(ring="B", base_url=url))}
+            ring_a = (  # runtime.engine=llama: the version's GGUF on llama.cpp (issue 39)
+                RingA(model)
+                if r.engine == "torch"
+                else RingA.open(releases, model.label, trusted, True, r.engine, r.quant, r.engine_fallback)
+            )
+            rings = {"casual": ring_a, "deep": RingB(RingConfig(ring="B", base_url=url))}
             runtime = NpcRuntime(
                 cfg.registers,
                 rings,
