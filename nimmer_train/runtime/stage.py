@@ -185,6 +185,8 @@ def _speak(cfg: Config, model: LocalModel, path: Path, transcripts: Any = None) 
                 for tier in ("casual", "deep"):
                     turn = runtime.speak(demo_request(register, traits, tier))
                     turns.append(turn)
+            if ring_a.model is not model:
+                ring_a.model.close()
     finally:
         memory.close()
     write_json_atomic(path, [asdict(t) for t in turns])
