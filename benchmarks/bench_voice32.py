@@ -1,0 +1,132 @@
+"""The demo's voice report at 32 turns per register (issue 38): the same report the model card
+carries at 8, on the versions `make demo` published, so that its figures have usable intervals.
+
+Each version in the demo's registry (``releases/`` beside this repository, as `make demo` leaves
+it) is opened through Ring A (:class:`~nimmer_train.runtime.local_model.LocalModel`, the engine in
+bfloat16 where the CPU multiplies it natively, as the demo's publish measures it) and measured by
+:func:`nimmer_train.runtime.voice_eval.voice_eval` on the held-out scenes its manifest records,
+with 32 prompts per register (a seeded draw; the seed, token budget and scenes as the card's).
+Headline: each figure over its goal (schema-valid 0.98, English 0.95, register accuracy 0.80
+overall and 0.60 for the weakest register, distinct-2 0.45 for the weakest register), >= 1 meets
+it. The report's held-out scenes are named in the result (``heldout_scenes``): with two, a
+figure's spread between scenes is all an interval could rest on.
+
+Without the demo's releases (run `make demo` first), and in smoke mode, the same code measures a
+tiny version built from config (figures named ``tiny_*``, never compared with the demo's).
+
+    python -m benchmarks.bench_voice32 [--smoke]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+GOAL = (
+    "each figure over its goal >= 1 on every version: schema-valid 0.98, English 0.95, register "
+    "accuracy 0.80 overall and 0.60 for the weakest register, distinct-2 0.45 for the weakest register"
+)
+GOALS = {"schema_valid": 0.98, "english_rate": 0.95, "register_accuracy": 0.80}
+WEAKEST = {"register_accuracy": 0.60, "distinct_2": 0.45}
+
+
+def _measure(releases: Path, trusted: Path, turns: int, tokens: int) -> dict[str, Any]:
+    from nimmer_train.publish.registry import Registry
+    from nimmer_train.runtime.local_model import EngineSettings, LocalModel
+    from nimmer_train.runtime.voice_eval import (
+        heldout_of_config,
+        recorded_heldout,
+        recorded_settings,
+        voice_eval,
+    )
+    from tests.helpers.compose import config
+
+    cfg = config("experiment=demo")
+    registry = Registry.open(releases)
+    try:
+        labels = [v.label for v in registry.versions()]
+    finally:
+        registry.close()
+    out: dict[str, Any] = {}
+    for label in labels:
+        model = LocalModel.open(releases, label, trusted, settings=EngineSettings(dtype="auto"))
+        try:
+            manifest = model.version.manifest
+            settings = dataclasses.replace(
+                recorded_settings(cfg.publish.voice_eval, manifest), turns_per_register=turns
+            )
+            if tokens:
+                settings = dataclasses.replace(settings, max_new_tokens=tokens)
+            heldout = recorded_heldout(manifest) or heldout_of_config(
+                cfg.composition, cfg.curation.validation_fraction
+            )
+            report = voice_eval(model, settings, cfg.registers, cfg.composition, heldout)
+        finally:
+            model.close()
+        out[label] = report.summary()
+    return out
+
+
+def _ratios(reports: dict[str, Any], prefix: str) -> dict[str, float]:
+    ratios: dict[str, float] = {}
+    for label, report in reports.items():
+        short = label.rsplit("-", 1)[-1]
+        overall, rows = report["overall"], report["registers"]
+        for key, goal in GOALS.items():
+            if overall.get(key) is not None:
+                ratios[f"{prefix}{short}_{key}_over_goal_ratio"] = round(overall[key] / goal, 3)
+        for key, goal in WEAKEST.items():
+            values = [r[key] for r in rows if r.get(key) is not None]
+            if values:
+                ratios[f"{prefix}{short}_weakest_{key}_over_goal_ratio"] = round(min(values) / goal, 3)
+    return ratios
+
+
+def _tiny(root: Path, turns: int) -> dict[str, Any]:
+    from nimmer_train.config import ModelConfig
+    from tests.helpers.published import REGISTERS, publish_registers
+
+    tiny = ModelConfig(name="tiny", max_position_embeddings=1024)
+    releases, trusted = publish_registers(root / "pub", REGISTERS[:2], tiny)
+    return _measure(releases, trusted, turns, 8)
+
+
+def run(smoke: bool = False) -> dict[str, object]:
+    warnings.filterwarnings("ignore")
+    from benchmarks.harness import REPO
+
+    load_before = os.getloadavg()[0]
+    releases, trusted = REPO / "releases", REPO / "keys" / "trusted"
+    with tempfile.TemporaryDirectory() as tmp:
+        if not smoke and (releases / "registry.sqlite").exists():
+            reports, prefix, model = _measure(releases, trusted, 32, 0), "", "the demo's versions"
+        else:
+            reports, prefix = _tiny(Path(tmp), 1 if smoke else 4), "tiny_"
+            model = "tiny (smoke)" if smoke else "tiny (no demo releases: run `make demo` first)"
+    figures: dict[str, Any] = {}
+    for label, report in reports.items():
+        figures[label] = {
+            "overall": report["overall"],
+            "registers": {r["register"]: r for r in report["registers"]},
+            "heldout_scenes": report["settings"].get("heldout_scenes"),
+            "scenes": report["settings"].get("scenes"),
+            "turns_per_register": report["settings"].get("turns_per_register"),
+            "samples": report.get("samples"),
+        }
+    return {
+        **_ratios(reports, prefix),
+        "voice": figures,
+        "goal": GOAL,
+        "model": model,
+        "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
+if __name__ == "__main__":
+    from benchmarks.harness import main
+
+    main(run)
