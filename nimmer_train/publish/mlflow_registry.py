@@ -22,6 +22,7 @@ from nimmer_train.publish.registry import Registry, Version
 BASE_MODEL = "nimmerworld-base"
 PROVENANCE = "provenance.json"  # <label>/provenance.json in the publish run's artifacts
 LEGACY_TAGS = ("epsilon", "corpus_refs", "recipe_ref")  # bare or JSON-valued: retired (issue 42)
+MANAGED_PREFIXES = ("consent.", "corpus.", "privacy_caveat.", "audit.", "recipe.")
 
 
 def lora_model(register: str) -> str:
@@ -32,7 +33,7 @@ def _epsilon(value: float | None, report: dict[str, Any]) -> str:
     """An epsilon as a tag value: the figure, "none: ..." where no guarantee was given (a
     mechanism without noise) or where no player data went in."""
     if value is not None:
-        return f"{value:.4g}"
+        return f"{value:.3f}"  # as ``nimmer versions list`` shows it
     if report.get("no_privacy"):
         return "none: no privacy guarantee (federated.no_privacy)"
     return "none: no player data in this version"
@@ -49,7 +50,6 @@ def version_tags(version: Version) -> dict[str, str]:
         "version_id": row["version_id"],
         A1: _epsilon(report.get(A1), report),
         A2: _epsilon(report.get(A2), report),
-        "dp_delta": f"{report.get('delta') or 0.0:g}",
         "contributors_count": str(row["contributors_count"]),
         "recipe.git_commit": str(recipe.get("git_commit")),
         "recipe.base_config_hash": str(recipe.get("base_config_hash")),
@@ -57,6 +57,9 @@ def version_tags(version: Version) -> dict[str, str]:
         "weights_sha256": row["weights_sha256"],
         "parent_version": str(manifest.get("parent_version") or "-"),
     }
+    player_data = report.get(A1) is not None or report.get(A2) is not None or report.get("no_privacy")
+    if player_data:  # a delta, a population and tier guarantees only where a guarantee was stated
+        tags["dp_delta"] = f"{report.get('delta') or 0.0:g}"
     for key, caveat in (report.get("caveats") or {}).items():
         tags[f"privacy_caveat.{key}"] = caveat_label(caveat)
     mechanism = report.get("a1_mechanism") or {}
@@ -64,15 +67,16 @@ def version_tags(version: Version) -> dict[str, str]:
         tags["dp_population_n"] = str(mechanism["population"])
     audit = report.get("audit") or {}
     if audit.get("audit_epsilon_lower_bound") is not None:
-        tags["audit.epsilon_lower_bound"] = f"{audit['audit_epsilon_lower_bound']:.4g}"
+        tags["audit.epsilon_lower_bound"] = f"{audit['audit_epsilon_lower_bound']:.3f}"
         if "audit_conclusive" in audit:
             tags["audit.conclusive"] = str(bool(audit["audit_conclusive"])).lower()
-    return tags | _corpus_tags(refs)
+    return tags | _corpus_tags(refs, bool(player_data))
 
 
-def _corpus_tags(refs: dict[str, Any]) -> dict[str, str]:
+def _corpus_tags(refs: dict[str, Any], player_data: bool) -> dict[str, str]:
     """``corpus.<name>`` = fingerprint per training corpus, and the consent tiers' figures each
-    as its own ``consent.<tier>.<figure>`` (noised counts say so in their name)."""
+    as its own ``consent.<tier>.<figure>`` (noised counts say so in their name; a tier's
+    guarantee only where player data went in)."""
     literary, synthetic = refs.get("literary") or {}, refs.get("synthetic") or {}
     tags = {f"corpus.{literary.get('name', 'literary')}": str(literary.get("fingerprint"))}
     if synthetic.get("fingerprint"):
@@ -89,9 +93,9 @@ def _corpus_tags(refs: dict[str, Any]) -> dict[str, str]:
         ),
         "consent.never_shared": ", ".join(player.get("never_shared") or []) or "-",
     }
-    if a1.get("guarantee"):
+    if player_data and a1.get("guarantee"):
         tags["consent.A1_federated.guarantee"] = str(a1["guarantee"])[:250]
-    if a2.get("guarantee"):
+    if player_data and a2.get("guarantee"):
         tags["consent.A2_anonymized.guarantee"] = str(a2["guarantee"])[:250]
     return tags
 
@@ -174,10 +178,12 @@ def _retag(client: Any, version: Version, number: str, run_id: str | None) -> No
     """Set the version's tags (:func:`version_tags`), drop the retired ones, and give it its
     provenance artifact in ``run_id`` (the publish run) when it has none yet."""
     current = client.get_model_version(BASE_MODEL, number).tags
-    for key in LEGACY_TAGS:
-        if key in current:
+    tags = version_tags(version)
+    for key in current:  # retired, or one this version no longer has (a tag this module writes)
+        ours = key.startswith(MANAGED_PREFIXES) or key in (A1, A2, "dp_delta", "dp_population_n")
+        if key in LEGACY_TAGS or (ours and key not in tags):
             client.delete_model_version_tag(BASE_MODEL, number, key)
-    for key, value in version_tags(version).items():
+    for key, value in tags.items():
         if current.get(key) != value:
             client.set_model_version_tag(BASE_MODEL, number, key, value)
     if run_id and "provenance" not in current:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import load_from_disk
+from mlflow import MlflowClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nimmer_train.artifacts import read_manifest
@@ -65,6 +66,13 @@ def test_a_mixed_base_records_both_corpora_and_speaks_dialogue_better(tiny_run: 
     metrics = lineage["metrics"]
     assert metrics["final_val_ppl_synthetic"] < metrics["initial_val_ppl_synthetic"]
     assert "synthetic" not in read_manifest(literary)["lineage"]["training_corpus_refs"]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # issue 42: r1 is a dataset input
+    (run,) = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], "tags.stage = 'build_base'"
+    )
+    inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
+    assert {"synthetic-r1-train", "synthetic-r1-validation"} <= set(inputs)
+    assert inputs["synthetic-r1-train"].dataset.digest == refs["synthetic"]["fingerprint"][:32]
 
     heldout = load_from_disk(str(synth / "r1"))["validation"]["messages"]
     assert len(heldout) >= 20

@@ -96,7 +96,7 @@ def test_model_versions_carry_both_labelled_epsilons_in_single_value_tags(
         report[A1] > report[A2] > 0
     )  # the user-level figure is the larger: the one shown as "epsilon" was A.2
     tags = v2.tags
-    assert tags[A1] == f"{report[A1]:.4g}" and tags[A2] == f"{report[A2]:.4g}"
+    assert tags[A1] == f"{report[A1]:.3f}" and tags[A2] == f"{report[A2]:.3f}"
     assert "epsilon" not in tags and "corpus_refs" not in tags and "recipe_ref" not in tags
     assert tags["dp_delta"] == f"{report['delta']:g}" and tags["dp_population_n"] == str(
         report["a1_mechanism"]["population"]
@@ -108,6 +108,7 @@ def test_model_versions_carry_both_labelled_epsilons_in_single_value_tags(
     assert not bad, f"JSON in tags: {bad}"
     v1 = client.get_model_version(mlflow_registry.BASE_MODEL, numbers["nimmerworld-base-v1"]).tags
     assert v1[A1] == v1[A2] == "none: no player data in this version"
+    assert "dp_delta" not in v1 and "consent.A1_federated.guarantee" not in v1
     # the long provenance: an artifact of the publish run, named by the version's tag
     assert tags["provenance"].startswith("runs:/")  # the publish run that first synced it
     assert tags["provenance"].endswith(f"/nimmerworld-base-v2/{mlflow_registry.PROVENANCE}")

@@ -166,10 +166,12 @@ def test_mlflow_model_registry_and_promote(tiny_run: Path, capsys: pytest.Captur
     assert set(versions) >= {"nimmerworld-base-v1", "nimmerworld-base-v2"}
     v2 = versions["nimmerworld-base-v2"]
     manifest = open_version(tiny_run / "releases", "v2", _keyring(tiny_run)).manifest
-    assert {"epsilon", "contributors_count", "corpus_refs", "recipe_ref"} <= set(v2.tags)
+    labelled = {"epsilon_a1_user_level", "epsilon_a2_record_level", "dp_delta", "contributors_count"}
+    assert labelled <= set(v2.tags) and "epsilon" not in v2.tags  # both levels by name (issue 42)
+    literary = manifest["training_corpus_refs"]["literary"]
     assert (
         v2.tags["contributors_count"] == str(manifest["contributors_count"])  # a noised estimate
-        and json.loads(v2.tags["corpus_refs"])["literary"]["works"] == 3
+        and v2.tags[f"corpus.{literary['name']}"] == literary["fingerprint"]
     )
     assert client.get_model_version_by_alias("nimmerworld-base", "candidate").version == v2.version
     first = client.get_model_version_by_alias("nimmerworld-base", "production")  # publish.promote_first
