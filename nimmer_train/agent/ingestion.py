@@ -1,9 +1,10 @@
 """Ingestion: workspace memory files, skills and session transcripts become crystals.
 
 - ``MEMORY.md`` and ``memory/*.md``: chunked along Markdown structure (a heading starts a new
-  chunk; paragraphs pack up to ``max_chars``), each chunk with its 1-based line range so
-  ``memory_get`` can quote it. Re-ingesting a file embeds only chunks whose hash is new, moves
-  the line range of unchanged chunks, and expires chunks that are gone; a deleted file's
+  chunk; paragraphs pack up to the embedder's window, counted by its tokenizer), each chunk
+  with its 1-based line range so ``memory_get`` can quote it (a line longer than the window is
+  cut at words). Re-ingesting a file embeds only chunks whose hash is new, moves the line range
+  of unchanged chunks, and expires chunks that are gone; a deleted file's
   crystals expire. ``memory/scratch.md`` is read one note line per crystal (the
   working_memory_note format). Invalid UTF-8 or binary files, and files reached through a
   symlink (read only inside the agent folder: recall.read_workspace_file), are skipped with a
@@ -25,7 +26,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,10 +53,14 @@ class Chunk:
     text: str
 
 
-def chunk_markdown(text: str, max_chars: int = MAX_CHUNK_CHARS) -> list[Chunk]:
-    """Chunks along headings and blank-line paragraphs, each at most ``max_chars`` unless one
-    line is longer; lines are numbered from 1 and ranges are inclusive."""
+def chunk_markdown(
+    text: str, max_chars: int = MAX_CHUNK_CHARS, size: Callable[[str], int] = len
+) -> list[Chunk]:
+    """Chunks along headings and blank-line paragraphs, each at most ``max_chars`` (measured by
+    ``size``: characters, or an embedder's word pieces) unless one line is longer; lines are
+    numbered from 1 and ranges are inclusive."""
     lines = text.splitlines()
+    sizes = [size(line) + 1 for line in lines]
     blocks: list[tuple[int, int]] = []  # paragraphs and headings as (first, last) indexes
     start = None
     for i, line in enumerate(lines):
@@ -75,34 +80,57 @@ def chunk_markdown(text: str, max_chars: int = MAX_CHUNK_CHARS) -> list[Chunk]:
 
     chunks: list[Chunk] = []
     first = last = None
-    size = 0
+    used = 0
     heading_only = False  # a heading stays with the text below it
 
     def close() -> None:
-        nonlocal first, last, size
+        nonlocal first, last, used
         if first is not None and last is not None:
             body = "\n".join(lines[first : last + 1]).strip()
             if body:
                 chunks.append(Chunk(first + 1, last + 1, body))
         first = last = None
-        size = 0
+        used = 0
 
     for a, b in blocks:
         heading = a == b and lines[a].lstrip().startswith("#")
-        length = sum(len(lines[i]) + 1 for i in range(a, b + 1))
-        if heading or (first is not None and not heading_only and size + length > max_chars):
+        length = sum(sizes[a : b + 1])
+        if heading or (first is not None and not heading_only and used + length > max_chars):
             close()
         if length > max_chars:  # one long paragraph: split by lines
             for i in range(a, b + 1):
-                if first is not None and not heading_only and size + len(lines[i]) + 1 > max_chars:
+                if sizes[i] > max_chars:  # one line longer than the budget: cut at words
+                    close()
+                    chunks.extend(Chunk(i + 1, i + 1, p) for p in _cut_line(lines[i], max_chars, size))
+                    heading_only = False
+                    continue
+                if first is not None and not heading_only and used + sizes[i] > max_chars:
                     close()
                 first = i if first is None else first
-                last, size, heading_only = i, size + len(lines[i]) + 1, False
+                last, used, heading_only = i, used + sizes[i], False
             continue
         first = a if first is None else first
-        last, size, heading_only = b, size + length, heading
+        last, used, heading_only = b, used + length, heading
     close()
     return chunks
+
+
+def _cut_line(line: str, budget: int, size: Callable[[str], int]) -> list[str]:
+    """``line`` in pieces of whole words, each within ``budget`` by ``size`` (a single word
+    longer than that stays whole: the embedder reads its start)."""
+    pieces: list[str] = []
+    words: list[str] = []
+    used = 0
+    for word in line.split():
+        n = size(word) + 1
+        if words and used + n > budget:
+            pieces.append(" ".join(words))
+            words, used = [], 0
+        words.append(word)
+        used += n
+    if words:
+        pieces.append(" ".join(words))
+    return pieces
 
 
 def workspace_files(folder: Path) -> list[str]:
@@ -112,7 +140,16 @@ def workspace_files(folder: Path) -> list[str]:
     return [p.relative_to(folder).as_posix() for p in found if p.is_file()]
 
 
-def specs_for(relative: str, text: str) -> list[CrystalSpec]:
+def window_size(embedder: object) -> tuple[int, Callable[[str], int]]:
+    """The chunk budget for ``embedder``: its window in word pieces counted by its tokenizer
+    (SentenceEmbedder: 254), or MAX_CHUNK_CHARS characters for one that does not say."""
+    window, count = getattr(embedder, "window", None), getattr(embedder, "count_tokens", None)
+    if isinstance(window, int) and callable(count):
+        return window, count
+    return MAX_CHUNK_CHARS, len
+
+
+def specs_for(relative: str, text: str, embedder: object = None) -> list[CrystalSpec]:
     if relative == SCRATCH:
         out = []
         for n, line in enumerate(text.splitlines(), start=1):
@@ -133,7 +170,7 @@ def specs_for(relative: str, text: str) -> list[CrystalSpec]:
             speaker="workspace",
             lifespan="permanent" if origin == "skill" else "decay",
         )
-        for c in chunk_markdown(text)
+        for c in chunk_markdown(text, *window_size(embedder))
     ]
 
 
@@ -188,7 +225,7 @@ def ingest_file(agent: CrystalStore, relative: str) -> dict[str, int]:
                 )
                 counts["skipped"] = 1
                 return counts
-            specs = specs_for(relative, text)
+            specs = specs_for(relative, text, agent.embedder)
         hashes = [s.source_hash or content_hash(s.text) for s in specs]
         with agent.lock:
             db = agent.db("primary")

