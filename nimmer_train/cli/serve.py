@@ -4,8 +4,10 @@ or behind a bearer token."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -51,6 +53,17 @@ def register(serve: argparse.ArgumentParser) -> None:
         "or on a CUDA GPU with bfloat16; a seeded request may then differ alone and in a batch)",
     )
     serve.add_argument(
+        "--engine",
+        choices=("torch", "llama"),
+        default="torch",
+        help="torch: the float32 engine that batches rows with different LoRAs (farms, GPUs, "
+        "concurrency); llama: the version's GGUF on llama.cpp, one row at a time (one register "
+        "per process, or low concurrency on a CPU; docs/runtime.md)",
+    )
+    serve.add_argument(
+        "--quant", choices=("q4_1", "q8_0"), default="q4_1", help="--engine llama: the GGUF base"
+    )
+    serve.add_argument(
         "--stream-interval",
         type=_positive_int,
         default=4,
@@ -91,14 +104,23 @@ def run(args: argparse.Namespace) -> int:
     trusted = trusted_keys(args)
     auth = " (bearer token required)" if api_key else ""
 
-    def load() -> LocalModel:  # in a thread once the port is open: /health says 503 meanwhile
-        model = LocalModel.open(args.releases, args.version, trusted, settings=settings)
+    def open_model(name: str) -> Any:
+        if args.engine == "llama":
+            from nimmer_train.runtime.quantized_model import QuantizedModel
+
+            return QuantizedModel.open(args.releases, name, trusted, args.quant)
+        return LocalModel.open(args.releases, name, trusted, settings=settings)
+
+    def load() -> Any:  # in a thread once the port is open: /health says 503 meanwhile
+        model = open_model(args.version)
         print(f"serving {', '.join(model_ids(model))} on http://{args.host}:{args.port}/v1{auth}", flush=True)
         return model
 
     # follow the alias: a version promoted (or pulled) while serving is swapped in, turns kept
     reload = (
-        Reload.alias(args.releases, args.version, trusted, args.reload_s, settings)
+        dataclasses.replace(
+            Reload.alias(args.releases, args.version, trusted, args.reload_s, settings), load=open_model
+        )
         if args.reload_s > 0
         else None
     )

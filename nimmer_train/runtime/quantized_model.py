@@ -16,10 +16,12 @@ config, the chosen GGUF base and the LoRA GGUFs, never the float32 safetensors."
 
 from __future__ import annotations
 
+import collections
 import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,10 @@ import torch
 from nimmer_train.errors import NimmerError
 from nimmer_train.publish.signing import Keyring
 from nimmer_train.publish.versions import VerifiedVersion, _copy_verified, open_version
+from nimmer_train.runtime.engine import Delta, Done, EngineClosed, Failed, Job, QueueFull, random_seed
 from nimmer_train.runtime.llama_engine import LlamaContext
 from nimmer_train.runtime.local_model import Generation, VersionSpeaker
+from nimmer_train.runtime.serve_metrics import ServeMetrics
 from nimmer_train.voice.sampling import SamplingKnobs, sample_rows, warp_rows
 from nimmer_train.voice.structured import RowGrammar, bounded, chars_per_token, end_of_turn_ids
 
@@ -91,6 +95,7 @@ class QuantizedModel(VersionSpeaker):
         self.n_vocab = self.context.n_vocab
         self.context_tokens = n_ctx
         self.lock = threading.Lock()
+        self.engine = SerialEngine(self)  # what nimmer serve --engine llama submits to
 
     @classmethod
     def open(
@@ -123,13 +128,21 @@ class QuantizedModel(VersionSpeaker):
         return Generation(text, len(prompt), len(ids), seconds, adapter, finish)
 
     def _decode(
-        self, prompt: list[int], adapter: str | None, knobs: SamplingKnobs, grammar: Any, generator: Any
+        self,
+        prompt: list[int],
+        adapter: str | None,
+        knobs: SamplingKnobs,
+        grammar: Any,
+        generator: Any,
+        hook: Any = None,
     ) -> tuple[list[int], str]:
-        """The reply's token ids and its finish reason (stop | length)."""
+        """The reply's token ids and its finish reason (stop | length); ``hook(ids, logits)``
+        after each token may end the reply (a stop string, a client gone) by returning True."""
         logits = self.context.prefill(prompt, adapter)
         ids: list[int] = []
         while True:
-            scores = torch.from_numpy(logits)[None]
+            raw = torch.from_numpy(logits)
+            scores = raw[None]
             if grammar is not None:
                 scores = scores.masked_fill(~grammar.allowed(len(ids), scores.shape[-1])[None], float("-inf"))
             scores = warp_rows(scores, [knobs], [ids])
@@ -139,13 +152,167 @@ class QuantizedModel(VersionSpeaker):
             ids.append(token)
             if grammar is not None:
                 grammar.consume(token)
-            if token in self.stop_ids:
+            if token in self.stop_ids or (hook is not None and hook(ids, raw)):
                 return ids, "stop"
             if len(ids) >= knobs.max_new_tokens:
                 return ids, "length"
             logits = self.context.step(token)
 
+    def prepare(
+        self,
+        messages: list[dict[str, str]],
+        register: str | None,
+        knobs: SamplingKnobs,
+        schema: dict[str, Any] | None = None,
+        seed: int | None = None,
+        *,
+        sink: Any = None,
+        n: int = 1,
+        stop: tuple[str, ...] = (),
+        logprobs: int | None = None,
+        prompt: list[int] | None = None,
+        stream: bool = True,
+    ) -> Job:
+        """``nimmer serve``'s job for one request, as :meth:`LocalModel.prepare` makes it."""
+        adapter = self.adapter_for(register)
+        ids = prompt if prompt is not None else self.prompt_ids(messages)
+        grammars: list[Any] = [None] * n
+        if schema is not None:
+            fitted = bounded(schema, knobs.max_new_tokens, self.chars_per_token, self._count)
+            grammars = [
+                RowGrammar(self.tokenizer, fitted, self.n_vocab, knobs.max_new_tokens) for _ in range(n)
+            ]
+        seeds = [(seed + i) % 2**63 if seed is not None else random_seed() for i in range(n)]
+        sink = sink or (lambda event: None)
+        return Job(
+            ids, adapter, knobs, seeds, grammars, sink, tuple(stop), logprobs, adapter or "base", stream
+        )
+
+    def load_register(self, register: str) -> None:
+        raise NimmerError("engine llama loads the version's LoRAs at start; restart nimmer serve to add one")
+
+    unload_register = load_register
+
     def close(self) -> None:
+        self.engine.close()
         with self.lock:
             self.context.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class SerialEngine:
+    """What ``nimmer serve --engine llama`` decodes with: the jobs of :class:`QuantizedModel`
+    one row at a time on one thread (llama.cpp's context holds one sequence), with the torch
+    engine's events, queue limit and metrics, so the OpenAI server serves it unchanged."""
+
+    def __init__(self, model: QuantizedModel, max_waiting: int = 64, stream_interval: int = 4) -> None:
+        self.model, self.max_waiting, self.stream_interval = model, max_waiting, stream_interval
+        self.max_batch = 16  # rows (n) one request may ask for; they decode one after another
+        self.metrics = ServeMetrics()
+        self.rows: list[Job] = []
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.cond = threading.Condition()
+        self.closing = False
+        self.thread = threading.Thread(target=self._run, name="nimmer-llama", daemon=True)
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def room(self) -> int:
+        return self.max_waiting - sum(j.n for j in self.waiting) - len(self.rows)
+
+    def retry_after_s(self) -> int:
+        return max(1, len(self.waiting))
+
+    def submit(self, job: Job) -> Job:
+        with self.cond:
+            if self.closing:
+                raise EngineClosed("the engine is shutting down")
+            if job.n > self.room():
+                raise QueueFull(len(self.waiting), self.retry_after_s())
+            self.waiting.append(job)
+            self.cond.notify()
+        return job
+
+    def call(self, fn: Any) -> Future:
+        future: Future = Future()
+        future.set_result(fn())
+        return future
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        with self.cond:
+            self.closing = True
+            if not drain:
+                self.waiting.clear()
+            self.cond.notify()
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.waiting and not self.closing:
+                    self.cond.wait()
+                if not self.waiting:
+                    return
+                job = self.waiting.popleft()
+                self.rows = [job]
+            try:
+                if not job.cancelled:
+                    for choice in range(job.n):
+                        self._row(job, choice)
+            except Exception as exc:  # one request failed: tell it, keep serving
+                job.sink(Failed(str(exc)))
+            finally:
+                self.rows = []
+
+    def _row(self, job: Job, choice: int) -> None:
+        model, started = self.model, time.perf_counter()
+        generator = torch.Generator().manual_seed(job.seeds[choice])
+        state = {"sent": 0, "logprobs": [], "first": True}
+
+        def hook(ids: list[int], raw: Any) -> bool:
+            if state["first"]:
+                model_started = time.perf_counter() - job.submitted
+                self.metrics.started(job.register, len(job.prompt), model_started)
+                state["first"] = False
+            if job.logprobs is not None:
+                state["logprobs"].append(_logprob(model.tokenizer, raw, ids[-1], job.logprobs))
+            if not (job.stream or job.stop) or len(ids) % self.stream_interval:
+                return job.cancelled
+            text = model.tokenizer.decode(ids, skip_special_tokens=True)
+            if any(s in text for s in job.stop):
+                return True
+            text = text.rstrip("\ufffd")  # a character still cut between tokens: sent once whole
+            if job.stream and len(text) > state["sent"]:
+                job.sink(Delta(choice, text[state["sent"] :]))
+                state["sent"] = len(text)
+            return job.cancelled
+
+        with model.lock:
+            ids, finish = model._decode(
+                job.prompt, job.adapter, job.knobs, job.grammars[choice], generator, hook
+            )
+        text = model.tokenizer.decode(ids, skip_special_tokens=True)
+        for s in job.stop:
+            if (at := text.find(s)) >= 0:
+                text, finish = text[:at], "stop"
+        if job.stream and len(text) > state["sent"]:
+            job.sink(Delta(choice, text[state["sent"] :]))
+        lp = state["logprobs"] if job.logprobs is not None else None
+        job.sink(Done(choice, finish, text, len(ids), lp))
+        self.metrics.finished(job.register, len(ids), finish, time.perf_counter() - started)
+
+
+def _logprob(tokenizer: Any, raw: Any, token: int, top: int) -> dict[str, Any]:
+    """OpenAI's logprob entry from the model's own logits (before knobs and grammar)."""
+    logp = torch.log_softmax(raw.float(), dim=-1)
+
+    def entry(t: int) -> dict[str, Any]:
+        text = tokenizer.decode([t])
+        return {"token": text, "logprob": float(logp[t]), "bytes": list(text.encode("utf-8"))}
+
+    out = entry(token)
+    out["top_logprobs"] = [entry(int(t)) for t in logp.topk(top).indices] if top else []
+    return out
