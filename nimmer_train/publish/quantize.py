@@ -312,16 +312,32 @@ def stage_quantized(
         "base_sha256": weights_sha256,
         "bases": bases,
         "loras": loras,
+        "sizes": {rel: (staging / rel).stat().st_size for rel in [*bases.values(), *loras.values()]},
     }
 
 
 def artifact_rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     """(file, what, MB) of a version's quantized artifacts, for its model card."""
     section = manifest.get("quantized") or {}
-    sizes = {f["path"]: f["size"] for f in manifest.get("blob_distribution", {}).get("files", [])}
+    sizes = section.get("sizes", {})
     what = {rel: f"base {q.upper()}" for q, rel in section.get("bases", {}).items()}
     what |= {rel: f"LoRA {register}" for register, rel in section.get("loras", {}).items()}
     return [{"file": rel, "what": w, "mb": round(sizes.get(rel, 0) / 1e6, 2)} for rel, w in what.items()]
+
+
+def artifact_lines(manifest: dict[str, Any]) -> list[str]:
+    """The model card's section on the quantized artifacts (none when the version has none)."""
+    rows = artifact_rows(manifest)
+    if not rows:
+        return []
+    return [
+        "## Quantized artifacts (Ring A on llama.cpp)",
+        "",
+        "| file | what | MB |",
+        "|---|---|---|",
+        *(f"| `{r['file']}` | {r['what']} | {r['mb']} |" for r in rows),
+        "",
+    ]
 
 
 def file_type(path: Path) -> int | None:
