@@ -103,6 +103,18 @@ PATTERNS: dict[str, re.Pattern[str]] = {
         r"\b(i (found|learned|discovered)|figured (it )?out|now i (know|understand)|clue)\b", re.I
     ),
 }
+
+
+def events_valence(events: list[str] | tuple[str, ...]) -> float:
+    """The emotional valence a memory of these events carries, read from their spikes (dopamine
+    and oxytocin pleasant, cortisol unpleasant), summed and clamped to [-1, 1]."""
+    total = sum(
+        SPIKES[e].get("dopamine", 0.0) + SPIKES[e].get("oxytocin", 0.0) - SPIKES[e].get("cortisol", 0.0)
+        for e in events
+    )
+    return max(-1.0, min(1.0, total))
+
+
 META_VERSION = 1
 HORMONE_SCHEMA_V1 = """
 CREATE TABLE hormone_levels (

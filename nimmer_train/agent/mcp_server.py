@@ -1,5 +1,10 @@
 """The memory tools as an MCP server (the official ``mcp`` SDK, low-level Server, stdio).
 
+A standing server runs the memory on its own: it ingests and watches the workspace, indexes the
+exchanges its client records (``memory_record_exchange``, exchange_feed.py: their events move
+the hormones), and its scheduler consolidates on schedule and ticks the dream engine (the LLM
+modes with the teacher it is given, else reported skipped).
+
 The tool list and argument schemas come from the same :class:`ToolRegistry` that Ring C uses,
 so the three faces cannot drift. A call with bad arguments is answered as a tool error
 (``is_error``) whose text names the argument; the server keeps running. Tool functions run on a
@@ -15,8 +20,10 @@ from typing import Any
 import anyio
 
 from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.dreams import DreamEngine
+from nimmer_train.agent.exchange_feed import exchange_tool
 from nimmer_train.agent.extra import missing_extra
-from nimmer_train.agent.ingestion import WorkspaceWatcher, ingest_workspace
+from nimmer_train.agent.ingestion import TranscriptIndexer, WorkspaceWatcher, ingest_workspace
 from nimmer_train.agent.scheduler import ConsolidationScheduler
 from nimmer_train.agent.tool_registry import ToolArgumentError, ToolRegistry, UnknownTool
 from nimmer_train.agent.tools import memory_tools
@@ -54,16 +61,23 @@ def build_server(registry: ToolRegistry, name: str = "nimmer-memory") -> Server[
     return Server(name, on_list_tools=list_tools, on_call_tool=call_tool)
 
 
-def serve_stdio(folder: Path, embedder: Any = None, watch: bool = True) -> None:
-    """``nimmer memory mcp AGENT_DIR``: ingest the workspace, watch it, consolidate on schedule,
+def serve_stdio(folder: Path, embedder: Any = None, watch: bool = True, teacher: Any = None) -> None:
+    """``nimmer memory mcp AGENT_DIR``: ingest the workspace, watch it, index recorded exchanges,
+    consolidate and dream on schedule (``teacher``: a teacher backend for the LLM dream modes),
     and answer the memory tools on stdin/stdout until the client closes."""
     agent = AgentMemory(folder, embedder or SentenceEmbedder())
     ingest_workspace(agent)
     watcher = WorkspaceWatcher(agent).start() if watch else None
-    if watcher is not None:
-        agent.ingestion_backlog = lambda: {"files_pending": len(watcher.pending)}
-    scheduler = ConsolidationScheduler(agent).start()
-    server = build_server(memory_tools(agent))
+    indexer = TranscriptIndexer(agent)
+    agent.ingestion_backlog = lambda: {
+        "files_pending": len(watcher.pending) if watcher is not None else 0,
+        "exchanges_pending": indexer.backlog(),
+    }
+    dreams = DreamEngine(agent, teacher=teacher)
+    scheduler = ConsolidationScheduler(agent, dreams=dreams).start()
+    registry = memory_tools(agent, dreams=dreams)  # the dream tools read the scheduled engine
+    registry.register(exchange_tool(agent, indexer))
+    server = build_server(registry)
 
     async def main() -> None:
         async with stdio_server() as (read, write):
@@ -73,6 +87,7 @@ def serve_stdio(folder: Path, embedder: Any = None, watch: bool = True) -> None:
         anyio.run(main)
     finally:
         scheduler.shutdown()
+        indexer.close()
         if watcher is not None:
             watcher.stop()
         agent.close()
