@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from nimmer_train.publish.listing import A1, A2, caveat_label, privacy_caveats
+from nimmer_train.publish.quantize import artifact_lines
 
 
 def _fmt(value: float | None) -> str:
@@ -113,6 +114,7 @@ def render(manifest: dict[str, Any], license_: str) -> str:
         f"reach the server.{_secagg_sentence(privacy)} Never-shared data categories "
         f"({', '.join(privacy['never_shared'])}) are never used.",
         "",
+        *artifact_lines(manifest),  # the GGUF files of Ring A's quantized engine (issue 39)
     ]
     return "\n".join(lines)
 
