@@ -197,6 +197,11 @@ def configured_adapters(cfg: Config, base_dir: Path | None = None) -> dict[str, 
     corpus = find_corpus(cfg.corpus, artifacts)
     if base_dir is None:
         base_dir = Path(cfg.lora.base_dir) if cfg.lora.base_dir else plan(cfg, corpus, synth).out
+    if not (base_dir / MANIFEST).exists():
+        raise NimmerError(
+            f"no published base at {base_dir}: run `python -m pipelines.build_base` with the same "
+            "overrides first, or point lora.base_dir at a base folder"
+        )
     datasets = {"synth": synth.fingerprint, "corpus": corpus.fingerprint}  # as _Inputs.datasets
     base = base_identity(base_dir)
     names = cfg.lora.registers if cfg.lora.registers is not None else cfg.registers.names
