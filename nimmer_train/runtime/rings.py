@@ -1,6 +1,8 @@
 """The three rings of inference behind one call, chosen per tier (the design's player_llm_config):
 
-- Ring A: in-process (:class:`LocalModel`), the register's LoRA, schema-constrained decoding.
+- Ring A: in-process, the register's LoRA, schema-constrained decoding; on the float32 torch
+  engine (:class:`LocalModel`, the reference) or on llama.cpp over the release's GGUF files
+  (:class:`~nimmer_train.runtime.quantized_model.QuantizedModel`, ``engine="llama"``).
 - Ring B: our OpenAI-compatible server (``nimmer serve``, or a vLLM multi-LoRA farm): the model id
   ``<version>:<register>`` picks the adapter; every knob is sent; the schema goes as
   ``response_format`` and is enforced server-side.
