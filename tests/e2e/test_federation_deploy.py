@@ -11,11 +11,17 @@ ids of all four players are searched for in everything the server side holds.
 The deployment spends most of its time in Flower's 3-second polls, so tests/conftest.py starts
 :func:`journey` in the background when the session begins (only when this test is selected) and
 the ``flower_two_rounds`` fixture hands the test its outcome.
+
+Issue 42: each device keys its spend by the federation's id (the two federations share one
+SuperLink address, and keep two ledgers with a total), learns from the server which rounds were
+released, logs its revocation; each federation's MLflow run ends FINISHED, tagged and with its
+run config; `flwr log` ends with both epsilons and the output folder.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,7 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
+from nimmer_train.federation.deploy import ANSI
 from nimmer_train.federation.intake import pooled_ids
 from nimmer_train.loras.adapters import read_metadata
 from nimmer_train.memory.contributions import entries
@@ -149,11 +156,14 @@ def journey(work: Path) -> dict[str, Any]:
             + f'work-dir="{work / "server/rounds2"}" out-dir="{work / "out2"}" rounds=1 min-participants=1',
         )
         result["logs"] = {name: flower.log(name) for name in contributors}
+        result["shown_after"] = nimmer("contributions", str(a1[0]), home=home).stdout
         stopping = time.monotonic()
     # the server's side: the SuperLink's log, the A.2 node's (server-operated), everything the
     # ServerApp wrote, the pool, the intake's files and the MLflow store; devices' own files not
     server_side = [work / "flower/logs/superlink.log", work / "flower/logs/a2-node.log", work / "mlflow.db"]
-    server_side += sorted((work / "flower/logs").glob("run-*.log"))  # the ServerApp's, as `flwr log` shows it
+    run_logs = sorted((work / "flower/logs").glob("run-*.log"), key=lambda p: p.stat().st_mtime)
+    result["run_logs"] = [p.read_text() for p in run_logs]
+    server_side += run_logs  # the ServerApp's, as `flwr log` shows it
     server_side += [
         p for folder in ("out", "out2", "server") for p in (work / folder).rglob("*") if p.is_file()
     ]
@@ -169,6 +179,11 @@ def journey(work: Path) -> dict[str, Any]:
         store=work / "mlflow.db",
     )
     return result
+
+
+def _message(line: str) -> str:
+    """A log line's message, without Flower's level prefix (``INFO :      ``)."""
+    return re.sub(r"^\s*(\d\d/\d\d/\d{4} [\d:]+:)?\s*(DEBUG|INFO|WARNING|ERROR)\s*:\s*", "", line).strip()
 
 
 def _records(out: Path) -> list[dict[str, Any]]:
@@ -202,11 +217,35 @@ def test_contributors_join_see_their_spend_leave_and_are_forgotten(flower_two_ro
         assert all(e["epsilon_local"] > 0 and "masked" in e["left"] for e in rounds)
         shown = result["shown"][folder.name]
         assert "round 2 of 127.0.0.1:" in shown and f"epsilon {rounds[1]['epsilon']:.4g}" in shown
+        # the server told the outcome when the federation ended: released, not "if released"
+        assert shown.count("round released") == 2 and "if this round is released" not in shown
+    # the MLflow runs: ended, tagged, with their run config; `flwr log` ends with the epsilons
+    for run in runs:
+        tags = run.data.tags
+        assert run.info.status == "FINISHED" and tags["register"] == REGISTER and tags["version"]
+        assert tags["federation_id"] and run.data.params["min-participants"] in ("1", "2")
+    assert len({r.data.tags["federation_id"] for r in runs}) == 2
+    for log, out in zip(result["run_logs"], (result["out"], result["out2"]), strict=True):
+        said = [_message(line) for line in ANSI.sub("", log).splitlines()]
+        # the ServerApp's own last lines, before Flower's "ServerApp finished running." and its
+        # bookkeeping after it (blank INFO lines aside)
+        end = next((i for i, line in enumerate(said) if "ServerApp finished running" in line), len(said))
+        tail = [line for line in said[:end] if line][-4:]
+        assert tail[1].startswith("epsilon A.1 user-level") and tail[2].startswith(
+            "epsilon A.2 record-level"
+        ), tail
+        assert tail[3] == f"the aggregated adapter is in {next(out.iterdir())}", tail
+    # two federations on one address: two ledgers, and the device's total adds them
+    assert (
+        result["shown_after"].count("spend in 127.0.0.1:") == 2
+        and "total over 2 federation(s)" in (result["shown_after"])
+    )
     # the revoked device left (exit 0, saying why), took no part in the next federation and is not counted
     assert result["revoked_exit"] == 0
     revoked = result["a1"][1]
     assert "leaving the federation: consent was revoked" in result["logs"][revoked.name]
-    assert [e["kind"] for e in entries(revoked)] == ["round", "round"]
+    kinds = [e["kind"] for e in entries(revoked)]
+    assert kinds == ["consent_granted", "round", "round", "outcome", "consent_revoked"]
     (second,) = _records(result["out2"])
     assert second["accepted"] and second["participants"] == 2 and second["sampled"] == 2
     assert round(second["a1_contributions_noised"]) == 1
