@@ -153,8 +153,8 @@ class CrystalStore:
                             (entry_id,),
                         )
                     ids.append(entry_id)
-            for entry_id, vector in zip(ids, vectors, strict=True):
-                index.add(entry_id, vector, LIVE)
+            for entry_id, vector, spec in zip(ids, vectors, specs, strict=True):
+                index.add(entry_id, vector, LIVE, now if spec.valid_from is None else spec.valid_from)
             self.after_commit(store)
         return ids
 

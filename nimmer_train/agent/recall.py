@@ -7,14 +7,26 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from pathlib import Path, PurePosixPath
 
+import apsw
 import numpy as np
 
 from nimmer_train.agent.crystal_store import CrystalStore
 from nimmer_train.agent.crystals import Crystal, load, transition
-from nimmer_train.agent.search import SearchWeights, fuse, keyword_ranked, recency, weighted
+from nimmer_train.agent.search import (
+    STOPWORDS,
+    LiveIndex,
+    SearchWeights,
+    dated_ranked,
+    fuse,
+    keyword_ranked,
+    named_days,
+    recency,
+    weighted,
+)
 from nimmer_train.artifacts import NOFOLLOW
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.player_memory import Mode, as_mode
@@ -104,7 +116,14 @@ def _scored(
     by_vector = index.nearest(q, w.candidates * max_results, mask)
     n_text = w.text_candidates * max_results
     by_text = keyword_ranked(db, index, query, n_text, mask, w.text_min_idf_share) if use_text else []
-    fused = fuse(by_vector, by_text, w)
+    dated = dated_ranked(index, q, named_days(query, now), n_text, mask) if w.date > 0 else []
+    fused = fuse(by_vector, by_text, w, dated)
+    if w.bridge > 0 and use_text and fused:
+        bridged = _bridged(db, index, query, fused, n_text, mask, w)
+        place = (w.rrf_k + 1) / (w.vector + w.text)  # in the fusion's units
+        for n, (entry_id, strength) in enumerate(bridged, start=1):
+            fused[entry_id] = fused.get(entry_id, 0.0) + w.bridge * strength * place / (w.rrf_k + n)
+        by_text = [*by_text, *bridged]
     keyword_hits = {i for i, _ in by_text}
     sims = dict(by_vector)
     sims.update(index.similarity(q, [i for i in keyword_hits if i not in sims]))
@@ -132,6 +151,37 @@ def _scored(
         if sims.get(entry_id, 0.0) >= min_score or entry_id in keyword_hits:
             hits.append((score, sims.get(entry_id, 0.0), store, entry_id))
     return hits
+
+
+_NAME = re.compile(r"\b[A-Z][a-z]{2,}\b")
+
+
+def _bridged(
+    db: apsw.Connection,
+    index: LiveIndex,
+    query: str,
+    fused: dict[int, float],
+    n: int,
+    mask: np.ndarray,
+    w: SearchWeights,
+) -> list[tuple[int, float]]:
+    """The second hop of a multi-hop question: the names (capitalised words) of the best
+    ``w.bridge_seeds`` hits that the query does not hold, searched as keywords ("my best
+    friend" finds "my best friend is Tomas"; "Tomas" then finds "Tomas moved to Oslo")."""
+    seeds = sorted(fused, key=lambda i: -fused[i])[: w.bridge_seeds]
+    asked = {word.lower() for word in re.findall(r"\w+", query)}
+    names: dict[str, None] = {}
+    for (text,) in db.execute(f"SELECT text FROM entries WHERE id IN ({', '.join('?' * len(seeds))})", seeds):
+        for name in _NAME.findall(text):
+            if name.lower() not in asked and name.lower() not in STOPWORDS:
+                names[name] = None
+    if not names:
+        return []
+    return [
+        hit
+        for hit in keyword_ranked(db, index, " ".join(names), n, mask, w.text_min_idf_share)
+        if hit[0] not in seeds
+    ]
 
 
 def _bookkeep(

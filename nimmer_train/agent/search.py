@@ -41,8 +41,10 @@ took 24 ms with OpenBLAS's two threads on this loaded 2-core machine and 13 ms o
 
 from __future__ import annotations
 
+import calendar
 import math
 import re
+import time
 from dataclasses import dataclass
 
 import apsw
@@ -74,6 +76,9 @@ class SearchWeights:
     candidates: int = 4  # the vector list takes candidates * max_results
     text_candidates: int = 4  # the keyword list takes text_candidates * max_results
     text_min_idf_share: float = 0.5  # a keyword hit needs BM25 >= this share of a unique term's IDF
+    date: float = 0.8  # the list of crystals from a day the query names ("on 8 May 2023")
+    bridge: float = 0.0  # the second hop: keyword hits on the names in the best hits (recall.py)
+    bridge_seeds: int = 2
 
 
 def state_of(lifecycle: str, valid_to: float | None) -> int:
@@ -89,13 +94,14 @@ class LiveIndex:
         self.ids = np.zeros(0, dtype=np.int64)
         self.matrix = np.zeros((0, 384), dtype=np.float32)
         self.states = np.zeros(0, dtype=np.int8)
+        self.times = np.zeros(0, dtype=np.float64)  # valid_from: a date the query names selects by it
         self.pos: dict[int, int] = {}
-        self._pending: list[tuple[int, np.ndarray, int]] = []
+        self._pending: list[tuple[int, np.ndarray, int, float]] = []
         self.data_version = -1
 
     def load(self, db: apsw.Connection) -> None:
         rows = db.execute(
-            "SELECT v.rowid, v.embedding, c.lifecycle, c.valid_to FROM entries_vec v "
+            "SELECT v.rowid, v.embedding, c.lifecycle, c.valid_to, c.valid_from FROM entries_vec v "
             "JOIN crystals c ON c.entry_id = v.rowid ORDER BY v.rowid"
         ).fetchall()
         self._pending.clear()
@@ -106,6 +112,7 @@ class LiveIndex:
             else np.zeros((0, 384), dtype=np.float32)
         )
         self.states = np.array([state_of(r[2], r[3]) for r in rows], dtype=np.int8)
+        self.times = np.array([r[4] for r in rows], dtype=np.float64)
         self.pos = {int(i): n for n, i in enumerate(self.ids)}
         self.data_version = db.execute("PRAGMA data_version").fetchone()[0]
 
@@ -114,17 +121,18 @@ class LiveIndex:
         if db.execute("PRAGMA data_version").fetchone()[0] != self.data_version:
             self.load(db)
 
-    def add(self, entry_id: int, vector: np.ndarray, state: int = LIVE) -> None:
-        self._pending.append((entry_id, vector.astype(np.float32), state))
+    def add(self, entry_id: int, vector: np.ndarray, state: int = LIVE, at: float = math.nan) -> None:
+        self._pending.append((entry_id, vector.astype(np.float32), state, at))
 
     def _flush(self) -> None:
         if not self._pending:
             return
-        ids, vectors, states = zip(*self._pending, strict=True)
+        ids, vectors, states, times = zip(*self._pending, strict=True)
         start = len(self.ids)
         self.ids = np.concatenate([self.ids, np.array(ids, dtype=np.int64)])
         self.matrix = np.vstack([self.matrix, np.stack(vectors)])
         self.states = np.concatenate([self.states, np.array(states, dtype=np.int8)])
+        self.times = np.concatenate([self.times, np.array(times, dtype=np.float64)])
         self.pos.update({int(i): start + n for n, i in enumerate(ids)})
         self._pending.clear()
 
@@ -137,6 +145,7 @@ class LiveIndex:
         self._flush()
         keep = ~np.isin(self.ids, np.fromiter(entry_ids, dtype=np.int64))
         self.ids, self.matrix, self.states = self.ids[keep], self.matrix[keep], self.states[keep]
+        self.times = self.times[keep]
         self.pos = {int(i): n for n, i in enumerate(self.ids)}
 
     def vector(self, entry_id: int) -> np.ndarray | None:
@@ -212,11 +221,15 @@ def keyword_ranked(
 
 
 def fuse(
-    vector_ranked: list[tuple[int, float]], text_ranked: list[tuple[int, float]], weights: SearchWeights
+    vector_ranked: list[tuple[int, float]],
+    text_ranked: list[tuple[int, float]],
+    weights: SearchWeights,
+    dated: list[tuple[int, float]] = (),  # type: ignore[assignment]
 ) -> dict[int, float]:
     """Weighted reciprocal rank fusion of (entry id, cosine) and (entry id, keyword strength)
-    lists, best first, normalised so first in both lists (at full strength) is 1. Equal cosines
-    share a rank (the same text said twice), so recency alone orders them."""
+    lists, and of the crystals of a day the query names (by cosine) when it names one, best
+    first, normalised so first in every list (at full strength) is 1. Equal cosines share a rank
+    (the same text said twice), so recency alone orders them."""
     k = weights.rrf_k
     fused: dict[int, float] = {}
     rank, last = 0, None
@@ -226,7 +239,9 @@ def fuse(
         fused[entry_id] = weights.vector / (k + rank)
     for n, (entry_id, strength) in enumerate(text_ranked, start=1):
         fused[entry_id] = fused.get(entry_id, 0.0) + weights.text * strength / (k + n)
-    norm = (weights.vector + weights.text) / (k + 1)
+    for n, (entry_id, _similarity) in enumerate(dated, start=1):
+        fused[entry_id] = fused.get(entry_id, 0.0) + weights.date / (k + n)
+    norm = (weights.vector + weights.text + (weights.date if dated else 0.0)) / (k + 1)
     return {i: v / norm for i, v in fused.items()}
 
 
@@ -242,3 +257,41 @@ def weighted(
 
 def recency(valid_from: float, now: float, half_life_h: float) -> float:
     return 0.5 ** (max(0.0, now - valid_from) / 3600 / half_life_h)
+
+
+_MONTH = "|".join(calendar.month_name[1:])
+_DAY_MONTH = re.compile(rf"\b(\d{{1,2}})(?:st|nd|rd|th)?\s+(?:of\s+)?({_MONTH})\b,?\s*(\d{{4}})?", re.I)
+_MONTH_DAY = re.compile(rf"\b({_MONTH})\s+(\d{{1,2}})(?:st|nd|rd|th)?\b,?\s*(\d{{4}})?", re.I)
+
+
+def named_days(query: str, now: float) -> list[tuple[float, float]]:
+    """The UTC days ``query`` names ("on 8 May 2023", "May 8th", "the 8th of May") as [start,
+    end) seconds; without a year, the latest such day not after ``now``."""
+    found = [(m[1], m[2], m[3]) for m in _DAY_MONTH.finditer(query)]
+    found += [(m[2], m[1], m[3]) for m in _MONTH_DAY.finditer(query)]
+    today = time.gmtime(now)
+    days = []
+    for day, month, year in found:
+        number = [m.lower() for m in calendar.month_name].index(month.lower())
+        years = [int(year)] if year else [today.tm_year, today.tm_year - 1]
+        for y in years:
+            if not 1 <= int(day) <= calendar.monthrange(y, number)[1]:
+                continue
+            start = calendar.timegm((y, number, int(day), 0, 0, 0))
+            if year or start <= now:
+                days.append((float(start), float(start + 86400)))
+                break
+    return days
+
+
+def dated_ranked(
+    index: LiveIndex, query_vector: np.ndarray, days: list[tuple[float, float]], n: int, mask: np.ndarray
+) -> list[tuple[int, float]]:
+    """(entry id, cosine) of the crystals in ``mask`` valid from within ``days``, best first."""
+    index._flush()
+    if not days or not len(index.ids):
+        return []
+    inside = np.zeros(len(index.ids), dtype=bool)
+    for start, end in days:
+        inside |= (index.times >= start) & (index.times < end)
+    return index.nearest(query_vector, n, mask & inside)
