@@ -182,9 +182,9 @@ def verified_copy(version: VerifiedVersion) -> Iterator[VerifiedVersion]:
     was verified, whatever happens to the release folder meanwhile."""
     with tempfile.TemporaryDirectory(prefix="nimmer-verified-") as tmp:
         root = Path(tmp)
-        folder = _copy_verified(
-            version.folder, version.manifest["blob_distribution"]["files"], root / "version", version.label
-        )
+        files = version.manifest["blob_distribution"]["files"]  # the GGUF files: quantized_model's
+        files = [f for f in files if not str(f.get("path", "")).startswith("quantized/")]
+        folder = _copy_verified(version.folder, files, root / "version", version.label)
         loras = {
             register: _copy_verified(version.loras[register], files, root / "loras" / register, register)
             for register, files in version.lora_files.items()
