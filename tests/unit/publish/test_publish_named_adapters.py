@@ -57,7 +57,8 @@ def test_publish_fails_naming_an_adapter_the_config_names_that_is_missing(workdi
     with pytest.raises(NimmerError, match="no trained adapter for hivemind-broadcast .*drunk-scavenger"):
         _loras(cfg, base_dir(workdir), None)
 
-    proc = run_pipeline("publish", workdir, "experiment=ci_tiny", "lora.rank=4", check=False)
+    base = f"publish.base_dir={base_dir(workdir)}"
+    proc = run_pipeline("publish", workdir, "experiment=ci_tiny", base, "lora.rank=4", check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: no trained adapter for hivemind-broadcast") and "train_loras" in last
