@@ -52,6 +52,9 @@ def render(manifest: dict[str, Any], license_: str) -> str:
         "The nimmerworld base language model that gives nimmerworld's NPCs their voices; register "
         "trait-LoRAs ride on it, one per NPC turn.",
         "",
+        *_sample_lines(manifest.get("voice_report")),
+        *_voice_lines(manifest.get("voice_report")),
+        *_glance_lines(manifest, privacy),
         "## Model",
         "",
         f"- Origin: `{manifest['base_model_origin']}`"
@@ -91,7 +94,6 @@ def render(manifest: dict[str, Any], license_: str) -> str:
         + ", A.3 none, opt-out players never.",
         "",
         *_evaluation_lines(manifest.get("register_evaluation")),
-        *_voice_lines(manifest.get("voice_report")),
         "## Intended use",
         "",
         "Generating in-world NPC dialogue for nimmerworld, as the substrate for register trait-LoRAs, "
@@ -374,12 +376,52 @@ def _voice_lines(voice: dict[str, Any] | None) -> list[str]:
         else "No register LoRA evaluation comes with this version's adapters.",
         "",
     ]
-    samples = [(r["register"], r["samples"][0]) for r in voice["registers"] if r["samples"]]
-    if samples:
-        lines += [
-            "First utterance per register:",
-            "",
-            *(f"- {name}: {json.dumps(text[:160], ensure_ascii=False)}" for name, text in samples),
-            "",
-        ]
     return lines
+
+
+def _sample_lines(voice: dict[str, Any] | None) -> list[str]:
+    """What a reader wants first: up to three of the voice report's utterances per register."""
+    rows = [r for r in (voice or {}).get("registers", []) if r.get("samples")]
+    if not rows:
+        return []
+    lines = ["## Sample turns", "", "Utterances of the voice report below (held-out scenes, Ring A):", ""]
+    for row in rows:
+        lines.append(f"- **{row['register']}**")
+        lines += [f"  - {json.dumps(text[:200], ensure_ascii=False)}" for text in row["samples"][:3]]
+    return [*lines, ""]
+
+
+def _glance_lines(manifest: dict[str, Any], privacy: dict[str, Any]) -> list[str]:
+    """The epsilon with the population it is over, the federated adapter's held-out gain (said as
+    it is, zero or negative included) and the audit's result; the details under Privacy."""
+    m, merged = privacy.get("a1_mechanism"), manifest.get("merged_adapter") or {}
+    if not m and not merged:
+        return []
+    lines = ["## Privacy and the federation at a glance", ""]
+    if m and privacy.get(A1) is not None:
+        caveat = privacy_caveats(privacy).get(A1)
+        lines.append(
+            f"- A.1 user-level epsilon {_fmt(privacy[A1])} at delta {m['delta']:g} over a declared "
+            f"population of N = {m['population']:,} players (expected cohort {m['expected_cohort']:g} "
+            f"a round, {m['rounds']} rounds)" + (f" (**{caveat}**)" if caveat else "")
+        )
+    before, after = merged.get("heldout_loss_before"), merged.get("heldout_loss_after")
+    if before is not None and after is not None:
+        gain = before - after
+        verdict = "" if gain > 0 else ": **the federation did not improve the adapter at this epsilon**"
+        lines.append(
+            f"- Federated gain of the `{merged['register']}` adapter on the federation's held-out loss: "
+            f"{before:.3f} -> {after:.3f} nats ({gain:+.3f}; no interval measured){verdict}"
+        )
+    elif merged:
+        lines.append(f"- Federated gain of the `{merged['register']}` adapter: not measured")
+    audit = privacy.get("audit")
+    if audit:
+        said = "conclusive" if audit.get("audit_conclusive") else "inconclusive"
+        lines.append(
+            f"- Empirical audit: epsilon lower bound {audit['audit_epsilon_lower_bound']:.3f} beside the "
+            f"accounted {_fmt(audit['theoretical_epsilon'])} ({said}; details under Privacy)"
+        )
+    elif m:
+        lines.append("- Empirical audit: not run for this version")
+    return [*lines, ""]
