@@ -210,6 +210,8 @@ def tell_outcome(
     ``Contributor.evaluate``), so a device's log stops saying "if this round is released". Only
     those: a simulation builds a node's data only when it is asked. A node that does not answer
     in time learns nothing more; nothing depends on it."""
+    if not asked:  # no round ran here (a stopped federation restarted): nobody to tell
+        return
     eps = epsilons(settings, state)["a1_user_level"]
     config = {
         **outcome_config(work, state),
