@@ -294,4 +294,9 @@ def dated_ranked(
     inside = np.zeros(len(index.ids), dtype=bool)
     for start, end in days:
         inside |= (index.times >= start) & (index.times < end)
-    return index.nearest(query_vector, n, mask & inside)
+    rows = np.flatnonzero(mask & inside)  # score only that day's rows, not the whole matrix
+    if not len(rows) or n <= 0:
+        return []
+    similarity = index.matrix[rows] @ query_vector.astype(np.float32)
+    best = np.argsort(-similarity, kind="stable")[:n]
+    return [(int(index.ids[rows[i]]), float(similarity[i])) for i in best]
