@@ -21,7 +21,13 @@ import pandas as pd
 
 from nimmer_train.agent.importance import importance, never_decays
 from nimmer_train.errors import NimmerError
-from nimmer_train.memory.consent import TRAINING_TIERS, get_consent, read_profile, training_examples
+from nimmer_train.memory.consent import (
+    TRAINING_TIERS,
+    consent_view,
+    get_consent,
+    read_profile,
+    training_examples,
+)
 from nimmer_train.memory.embedding import NoEmbedder
 from nimmer_train.memory.player_memory import PRIMARY_FILE, Mode, PlayerMemory
 from nimmer_train.memory.sync import FALLBACK_FILE
@@ -91,7 +97,7 @@ def player_summary(folder: Path) -> dict[str, Any]:
         "by_category": dict(Counter(e.data_category for e in entries)),
         "fallback_snapshot": (folder / FALLBACK_FILE).exists(),
         "consent_tier": record.sharing_tier,
-        "categories_shared": list(record.data_categories_shared),
+        "categories_shared": consent_view(record)["categories_shared"],  # as the consent filter enforces it
         "excluded": list(record.excluded_categories),
         "shareable_examples": shared,
         "clasp": "never read here: no export path exists for it",
