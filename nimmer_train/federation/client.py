@@ -21,7 +21,11 @@ contributions log; ``mods.refusal_mod`` turns the :class:`Refused` into an error
 only :data:`REFUSAL` and one log line, not a traceback. After each round it trained in, it logs
 what left it (the masked update) and what it cost: its local record-level epsilon and the
 federation's user-level epsilon, computed from the mechanism the server announces in the fit
-config (:data:`A1_MECHANISM`) with the ledger's accountant (``privacy.accounting.epsilon``).
+config (:data:`A1_MECHANISM`) with the ledger's accountant (``privacy.accounting.epsilon``),
+keyed by the federation's id (:data:`FEDERATION_ID`, the server's ledger's; not the SuperLink's
+address) with what the server says of its earlier rounds (released or not); when the federation
+ends the server's outcome arrives as an evaluate message (:meth:`Contributor.evaluate`, answered
+empty) and goes into the log too, so no released round stays "if released".
 """
 
 from __future__ import annotations
