@@ -13,12 +13,13 @@ from nimmer_train.agent.dialogues import date_words, generate
 from nimmer_train.agent.search import SearchWeights
 from nimmer_train.memory.embedding import SentenceEmbedder
 
-# Six sessions of twelve exchanges (72 crystals, 16 questions per seed, two seeds). The full
-# benchmark (20 x 30 exchanges, five seeds) measured hybrid evidence recall@10 at 0.63 before
-# issue 40's changes; this smaller conversation has fewer distractors, so it sits higher: the
-# floors are below what it measures (see docs/memory.md) with room for one seed's noise.
-RECALL_FLOOR = 0.65
-SESSION_FLOOR = 0.85
+# Six sessions of twelve exchanges (72 crystals, 16 questions per seed, seeds 0 and 1). Measured
+# (issue 40): hybrid evidence recall@10 0.94, session hit@10 1.00 on these seeds, 0.93 / 0.98 on
+# held-out seeds 2-5; the full benchmark (20 x 30 exchanges, more distractors) gives 0.65 / 0.90.
+# The floors leave room for four of the 36 evidence turns and one question to slip (a changed
+# embedder or weights), and fail when retrieval falls toward the long benchmark's level.
+RECALL_FLOOR = 0.80
+SESSION_FLOOR = 0.90
 
 
 @pytest.fixture(scope="module")
