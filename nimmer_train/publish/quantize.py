@@ -14,6 +14,7 @@ is refused by name before llama.cpp sees it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import numpy as np
 
 from nimmer_train.errors import NimmerError
 
+log = logging.getLogger(__name__)
 BASE_KEY = "nimmer.base_sha256"  # which published base a GGUF (or a GGUF LoRA) belongs to
 QUANTS = {"f32": 0, "f16": 1, "q8_0": 7, "q4_1": 3, "q4_k_m": 15}  # llama_ftype values
 # what a release ships beside the safetensors. Not Q4_K_M: on an AVX2 CPU llama.cpp repacks Q4_K
@@ -294,13 +296,19 @@ def stage_quantized(
         return None
     out = staging / "quantized"
     out.mkdir()
-    f32 = write_base_gguf(staging, staging / "base.f32.gguf.tmp", weights_sha256)
-    try:
-        bases = {q: f"quantized/{gguf_name(None, q)}" for q in quants}
-        for q, rel in bases.items():
-            quantize(f32, staging / rel, q)
-    finally:
-        f32.unlink(missing_ok=True)
+    note = _unblockable(LlamaShape.read(staging))
+    if note is not None:  # llama.cpp cannot quantize it: the base in F16 only (a tiny test model)
+        log.warning("quantized artifacts: %s", note)
+        bases = {"f16": f"quantized/{gguf_name(None, 'f16')}"}
+        write_base_gguf(staging, staging / bases["f16"], weights_sha256, "f16")
+    else:
+        f32 = write_base_gguf(staging, staging / "base.f32.gguf.tmp", weights_sha256)
+        try:
+            bases = {q: f"quantized/{gguf_name(None, q)}" for q in quants}
+            for q, rel in bases.items():
+                quantize(f32, staging / rel, q)
+        finally:
+            f32.unlink(missing_ok=True)
     loras = {}
     for entry in compat:
         rel = f"quantized/{gguf_name(entry['register'], '')}"
@@ -314,6 +322,20 @@ def stage_quantized(
         "loras": loras,
         "sizes": {rel: (staging / rel).stat().st_size for rel in [*bases.values(), *loras.values()]},
     }
+
+
+def _unblockable(shape: LlamaShape) -> str | None:
+    """Why llama.cpp cannot quantize a model of ``shape`` (a weight's rows do not divide into
+    its 32-value blocks); None when it can."""
+    widths = {
+        "hidden_size": shape.n_embd,
+        "intermediate_size": shape.n_ff,
+        "heads x head_dim": shape.n_head * shape.head_dim,
+    }
+    odd = {k: v for k, v in widths.items() if v % 32}
+    if not odd:
+        return None
+    return f"{', '.join(f'{k} {v}' for k, v in odd.items())} not a multiple of 32: the base ships in F16 only"
 
 
 def artifact_rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:

@@ -132,3 +132,22 @@ def test_a_quantized_file_altered_or_missing_refuses_the_version_by_name(
     with pytest.raises((IntegrityError, PullError), match=r"quantized/base\.q4_1\.gguf"):  # pull too
         pull_version(tmp_path / "device" / "releases", str(releases / V1), trusted)
     assert not (tmp_path / "device" / "releases" / V1).exists()
+
+
+def test_a_model_llama_cpp_cannot_quantize_ships_its_base_in_f16(tmp_path: Path) -> None:
+    from nimmer_train.config import ModelConfig
+    from nimmer_train.runtime.quantized_model import NoQuantizedArtifacts, QuantizedModel
+    from nimmer_train.voice.sampling import SamplingKnobs
+
+    odd = ModelConfig(name="odd", hidden_size=64, intermediate_size=176, num_attention_heads=4)
+    releases, trusted = publish_registers(tmp_path, registers=(REGISTER,), model=odd)  # ci_tiny's widths
+    section = json.loads((releases / V1 / "manifest.json").read_text())["quantized"]
+    assert section["bases"] == {"f16": "quantized/base.f16.gguf"} and list(section["loras"]) == [REGISTER]
+    with pytest.raises(NoQuantizedArtifacts, match="ships f16, not q4_1"):
+        QuantizedModel.open(releases, "v1", trusted)
+    model = QuantizedModel.open(releases, "v1", trusted, "f16", threads=1)
+    try:
+        knobs = SamplingKnobs(0.8, 0.9, 40, 1.0, 0.0, max_new_tokens=4)
+        assert model.generate([{"role": "user", "content": "hi"}], REGISTER, knobs, seed=1).completion_tokens
+    finally:
+        model.close()
