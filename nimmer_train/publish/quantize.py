@@ -294,9 +294,21 @@ def stage_quantized(
     from is removed: the safetensors stay the float32 reference."""
     if not quants:
         return None
+    try:
+        shape = LlamaShape.read(staging)
+    except NimmerError as exc:  # another architecture: published without them, said once
+        log.warning("no quantized artifacts: %s", exc)
+        return None
     out = staging / "quantized"
     out.mkdir()
-    note = _unblockable(LlamaShape.read(staging))
+    note = _unblockable(shape)
+    if note is None:
+        from nimmer_train.publish.llama_binding import EngineUnavailable, binding
+
+        try:
+            binding()
+        except EngineUnavailable as exc:
+            note = f"{exc}; the base ships in F16 only"
     if note is not None:  # llama.cpp cannot quantize it: the base in F16 only (a tiny test model)
         log.warning("quantized artifacts: %s", note)
         bases = {"f16": f"quantized/{gguf_name(None, 'f16')}"}
