@@ -19,7 +19,7 @@ from nimmer_train.artifacts import MANIFEST, README, git_commit, intact_manifest
 from nimmer_train.config import Config
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import METADATA, read_metadata
-from nimmer_train.publish import mlflow_registry
+from nimmer_train.publish import mlflow_registry, signoff
 from nimmer_train.publish.index import write_index
 from nimmer_train.publish.listing import A1, A2, privacy_report
 from nimmer_train.publish.rebase import carry, log_decisions, rebase
@@ -285,4 +285,5 @@ def publish_stage(
                 _log_signed_inputs(version, releases)
             mlflow.log_metrics(_privacy_metrics(published[-1]))
             mlflow.set_tags({v.label: f"{mlflow_registry.BASE_MODEL}/{numbers[v.label]}" for v in published})
+            signoff.log_signoff(mlflow.tracking.MlflowClient(uri), run_id, [v.folder for v in published])
     return PublishResult(published)
