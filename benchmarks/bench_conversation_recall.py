@@ -18,7 +18,7 @@ Two rates per arm, over the five question turns:
 - ``in_prompt``: the fact's answer word is somewhere in the prompt the ring was given (window or
   memory items): what the turn's shape makes available, whatever the model does with it;
 - ``in_reply``: the NPC's reply, through Ring A (the register's LoRA, schema-constrained), contains
-  it (case-insensitive): what the model made of it.
+  it (a whole word, any case): what the model made of it.
 
 The memory arm's ``in_prompt`` is also measured with the memory query made of the player's line
 alone (``query_lines=0``) against the line and the player's line before it (the default):
@@ -36,6 +36,7 @@ noise; only ``in_prompt`` means anything there), one register.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -129,6 +130,12 @@ class Watched:
         return out
 
 
+def _says(text: str, word: str) -> bool:
+    """Whether ``text`` holds ``word`` as a whole word, any case ("the nighting" does not say "tin":
+    a substring match counted it once in the first SmolLM2 run)."""
+    return re.search(rf"\b{re.escape(word)}\b", text, re.I) is not None
+
+
 def _converse(
     ring: Any, register: str, folder: Path, arm: str, tokens: int, window: int, query_lines: int
 ) -> dict:
@@ -179,8 +186,8 @@ def _converse(
         for store in (memory, conversations):
             if store is not None:
                 store.close()
-    in_prompt = sum(answer in watched.seen[i][0].lower() for i, answer in questions)
-    in_reply = sum(answer in watched.seen[i][1].lower() for i, answer in questions)
+    in_prompt = sum(_says(watched.seen[i][0], answer) for i, answer in questions)
+    in_reply = sum(_says(watched.seen[i][1], answer) for i, answer in questions)
     n = len(questions)
     return {
         "in_prompt": round(in_prompt / n, 3),
