@@ -25,7 +25,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
+import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +36,14 @@ from typing import Any
 
 import httpx
 
-from nimmer_train.artifacts import MANIFEST, atomic_dir, file_table, write_json_atomic, write_secret
+from nimmer_train.artifacts import (
+    MANIFEST,
+    file_table,
+    fsync_dir,
+    fsync_tree,
+    write_json_atomic,
+    write_secret,
+)
 from nimmer_train.backup.device import DeviceKey
 from nimmer_train.backup.sealing import BackupError, seal
 from nimmer_train.backup.service import MAX_BODY_BYTES, BackupClient
@@ -115,11 +125,17 @@ def unpack(bundle: bytes, target: Path, what: str) -> list[dict[str, Any]]:
     files = header.get("files") if isinstance(header, dict) else None
     if not isinstance(header, dict) or header.get("format") != BUNDLE_FORMAT or not isinstance(files, list):
         raise BackupError(f"{what} does not hold a LoRA folder ({BUNDLE_FORMAT}); nothing was restored")
-    offset, parts = 0, []
+    offset, parts, dirs = 0, [], set()
     for row in files:
         path = row.get("path") if isinstance(row, dict) else None
         if not isinstance(path, str) or any(p in ("", ".", "..") for p in path.split("/")) or "\\" in path:
             raise BackupError(f"{what}: file path {path!r} is not inside its folder; nothing was restored")
+        above = {path.rsplit("/", n)[0] for n in range(1, path.count("/") + 1)}
+        if path in dirs or any(p == path or p in above for p, _ in parts):
+            raise BackupError(
+                f"{what}: its header names {path!r} twice, or a file inside a file; nothing was restored"
+            )
+        dirs |= above
         size = row.get("size")
         data = body[offset : offset + size] if isinstance(size, int) and size >= 0 else b""
         if len(data) != size or hashlib.sha256(data).hexdigest() != row.get("sha256"):
@@ -128,11 +144,42 @@ def unpack(bundle: bytes, target: Path, what: str) -> list[dict[str, Any]]:
         offset += size
     if offset != len(body):
         raise BackupError(f"{what}: {len(body) - offset} bytes beyond its files; nothing was restored")
-    with atomic_dir(target) as staging:
+    _put_folder(target, parts, what)
+    return files
+
+
+def _put_folder(target: Path, parts: list[tuple[str, bytes]], what: str) -> None:
+    """Write ``parts`` into a fresh staging folder beside ``target``, then swap it in: the old
+    folder is renamed aside (never emptied in place) and put back if the rename in fails, so a
+    reader sees the old folder or the new one whole, never a half one. A kill between the two
+    renames leaves no folder (``restore`` with no name then restores it again) and a hidden
+    ``.NAME.*`` leftover, never a mix. A ``target`` that is a symlink is refused, not followed."""
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise BackupError(
+            f"{what}: {target} is a symlink or not a folder; a restore replaces only the player's own "
+            "LoRA folder: move it aside and restore again"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    staging, old = (target.parent / f".{target.name}.{kind}-{tag}" for kind in ("restore", "old"))
+    staging.mkdir(mode=0o700)
+    try:
         for path, data in parts:
             (staging / path).parent.mkdir(parents=True, exist_ok=True)
             write_secret(staging / path, data)  # 0600: the player's own patterns
-    return files
+        fsync_tree(staging)
+        if target.exists():
+            os.replace(target, old)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if old.exists():
+                os.replace(old, target)
+            raise
+        fsync_dir(target.parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _receipt(player_dir: Path) -> dict[str, Any]:
