@@ -153,13 +153,15 @@ def _put_folder(target: Path, parts: list[tuple[str, bytes]], what: str) -> None
     folder is renamed aside (never emptied in place) and put back if the rename in fails, so a
     reader sees the old folder or the new one whole, never a half one. A kill between the two
     renames leaves no folder (``restore`` with no name then restores it again) and a hidden
-    ``.NAME.*`` leftover, never a mix. A ``target`` that is a symlink is refused, not followed."""
+    ``.NAME.*`` leftover, never a mix; the next restore of that name deletes it. A ``target``
+    that is a symlink is refused, not followed."""
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise BackupError(
             f"{what}: {target} is a symlink or not a folder; a restore replaces only the player's own "
             "LoRA folder: move it aside and restore again"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
+    _drop_leftovers(target)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     staging, old = (target.parent / f".{target.name}.{kind}-{tag}" for kind in ("restore", "old"))
     staging.mkdir(mode=0o700)
@@ -180,6 +182,22 @@ def _put_folder(target: Path, parts: list[tuple[str, bytes]], what: str) -> None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _drop_leftovers(target: Path) -> None:
+    """Delete the hidden staging and old folders of restores of ``target`` killed before they
+    cleaned up (their process is gone); a live restore's are left to it."""
+    for path in target.parent.glob(f".{target.name}.*-*-*"):
+        kind, _, rest = path.name[len(target.name) + 2 :].partition("-")
+        pid = rest.split("-", 1)[0]
+        if kind not in ("restore", "old") or not pid.isdigit() or path.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            continue
 
 
 def _receipt(player_dir: Path) -> dict[str, Any]:

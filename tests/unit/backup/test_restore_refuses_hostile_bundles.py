@@ -10,6 +10,9 @@ import hashlib
 import json
 import os
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,4 +126,34 @@ def test_a_restored_folder_is_the_bundle_exactly_with_private_modes(tmp_path: Pa
     unpack(pack(source), target, "backup voice v1")
     assert _tree(target) == _tree(source)
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in target.rglob("*") if p.is_file())
+    assert [p.name for p in target.parent.iterdir()] == ["voice"]
+
+
+def test_a_restore_killed_mid_write_leaves_the_old_folder_and_the_next_restore_cleans_up(
+    tmp_path: Path,
+) -> None:
+    """A real SIGKILL of a restoring process while it writes the new folder: the old folder is
+    still there whole, its leftover is a hidden staging folder, and the next restore removes it."""
+    target = tmp_path / "loras" / "voice"
+    target.mkdir(parents=True)
+    (target / "adapter_config.json").write_bytes(b'{"old": 1}')
+    before = _tree(target)
+    rows = [(f"w{i:02d}.safetensors", os.urandom(1 << 20)) for i in range(48)]
+    bundle = _bundle([("adapter_config.json", CONFIG), *rows])
+    (tmp_path / "bundle").write_bytes(bundle)
+    script = (
+        "import sys; from pathlib import Path; from nimmer_train.backup.player_loras import unpack; "
+        "unpack(Path(sys.argv[1]).read_bytes(), Path(sys.argv[2]), 'backup voice v2')"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "bundle"), str(target)])
+    deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
+    while not any(p.name.startswith(".voice.restore-") and any(p.iterdir()) for p in target.parent.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the restore ended before it was killed"
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    assert _tree(target) == before
+    assert [p.name.startswith(".voice.restore-") for p in sorted(target.parent.iterdir())] == [True, False]
+    unpack(bundle, target, "backup voice v2")
+    assert _tree(target) == dict([("adapter_config.json", CONFIG), *rows])
     assert [p.name for p in target.parent.iterdir()] == ["voice"]
