@@ -317,6 +317,7 @@ def restore(
     """Download, verify and unseal the backup ``row`` and put its folder in place."""
     name, version = row["lora_name"], row["lora_version"]
     what = f"backup {name} v{version} ({row['backup_id']})"
+    _receipt(player_dir)  # unreadable: refused before the folder is replaced, not after
     try:
         bundle = client.restore(name, version, passphrase, recovery_code)
         target = lora_folder(player_dir, name)
