@@ -102,7 +102,7 @@ def read_index(data: bytes, keyring: Keyring, where: str) -> tuple[dict[str, Any
 
 def _check_shape(index: dict[str, Any], where: str) -> None:
     """A signed index this reader understands: the format, its id and sequence, versions with a
-    label and a manifest sha256 each, aliases and newest naming listed versions."""
+    label and a manifest sha256 each, aliases naming listed versions, newest the highest listed."""
     if index.get("format") != INDEX_FORMAT:
         raise IntegrityError(
             f"{where}: index format {index.get('format')!r}, this client reads {INDEX_FORMAT}"
@@ -126,8 +126,12 @@ def _check_shape(index: dict[str, Any], where: str) -> None:
         isinstance(a, str) and v in labels for a, v in aliases.items()
     ):
         raise IntegrityError(f"{where}: the index's aliases must each name a version it lists")
-    if index.get("newest") is not None and index["newest"] not in labels:
-        raise IntegrityError(f"{where}: the index's newest version is not one it lists")
+    highest = max(labels, key=lambda label: int(label.rsplit("v", 1)[1]), default=None)
+    if index.get("newest") != highest:  # what write_index writes: a newest that is not the max lies
+        raise IntegrityError(
+            f"{where}: the index's newest {index.get('newest')!r} is not the highest version it "
+            f"lists ({highest}); refused"
+        )
 
 
 def resolve(index: dict[str, Any], selector: str, where: str) -> dict[str, Any]:

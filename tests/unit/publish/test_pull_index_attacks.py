@@ -6,6 +6,7 @@ duplicate JSON keys around the signed bytes. Each pins what the device refuses o
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,10 @@ from starlette.applications import Starlette
 from starlette.responses import RedirectResponse
 from starlette.routing import Route
 
-from nimmer_train.publish.index import INDEX, MAX_INDEX_BYTES
-from nimmer_train.publish.manifest import manifest_bytes
-from nimmer_train.publish.signing import load_private, sign
+from nimmer_train.artifacts import MANIFEST
+from nimmer_train.publish.index import INDEX, MAX_INDEX_BYTES, write_index
+from nimmer_train.publish.manifest import SIGNATURE, manifest_bytes
+from nimmer_train.publish.signing import generate_key, load_private, sign
 from tests.helpers.loopback import serve_app
 from tests.unit.publish.test_pull_by_alias_or_newest import _aliases, _index, _pull, mirror  # noqa: F401
 from tests.unit.publish.test_versions_pull import V1, V2, Mirror, publisher  # noqa: F401
@@ -74,7 +76,9 @@ def test_an_index_with_another_index_id_cannot_roll_production_back(
     with serve_app(Mirror(releases)) as url:
         assert _pull(device, trusted, url, "--version", "newest") == 0
         assert _aliases(device) == {"production": V2}
-        forged = {**old, "index_id": str(uuid.uuid4()), "sequence": 99, "newest": V1}
+        versions = [v for v in old["versions"] if v["label"] == V1]  # as it was before v2
+        forged = {**old, "index_id": str(uuid.uuid4()), "sequence": 99, "versions": versions}
+        forged.update(newest=V1, aliases={"production": V1})
         _resign(releases, key, forged)
         for selector in ("newest", "production"):
             assert _pull(device, trusted, url, "--version", selector) == 1
@@ -134,3 +138,56 @@ def test_a_duplicate_key_outside_the_signed_bytes_changes_nothing_a_pull_uses(
         (releases / INDEX).write_text(text.replace(real, f'{real}, "newest": "{V1}"'))
         assert _pull(device, trusted, url, "--version", "newest") == 1
     assert "signature does not verify" in capsys.readouterr().err
+
+
+def test_a_stale_index_signed_by_a_rotated_out_key_is_refused(
+    mirror: tuple[Path, Path, Path],  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The publisher rotates keys (both still trusted on the device): the old key's index has a
+    lower sequence of the same index_id and is refused once the new one was read."""
+    releases, _, trusted = mirror
+    old = (releases / INDEX).read_bytes()
+    keys = tmp_path / "trusted"
+    shutil.copytree(trusted, keys)
+    generate_key(tmp_path / "rotated.key", keys)
+    write_index(releases, tmp_path / "rotated.key")
+    device = tmp_path / "device" / "releases"
+    with serve_app(Mirror(releases)) as url:
+        assert _pull(device, keys, url, "--version", "newest") == 0
+        (releases / INDEX).write_bytes(old)
+        assert _pull(device, keys, url, "--version", "newest") == 1
+    assert "older than sequence 3" in capsys.readouterr().err
+    assert _aliases(device) == {"production": V2}
+
+
+def test_a_version_folder_swapped_under_an_alias_is_refused_before_its_files(
+    mirror: tuple[Path, Path, Path],  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The mirror serves v2's validly signed folder where the index's production (v1) lives."""
+    releases, _, trusted = mirror
+    shutil.rmtree(releases / V1)
+    shutil.copytree(releases / V2, releases / V1)
+    app = Mirror(releases)
+    with serve_app(app) as url:
+        assert _pull(tmp_path / "device" / "releases", trusted, url, "--version", "production") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and V1 in err[0]
+    allowed = {f"/{INDEX}", f"/{V1}/{MANIFEST}", f"/{V1}/{SIGNATURE}"}
+    assert {path for path, _, _ in app.log} <= allowed  # no version file was fetched
+
+
+def test_an_index_whose_newest_is_not_its_highest_version_is_refused(
+    mirror: tuple[Path, Path, Path],  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    releases, key, trusted = mirror
+    for newest in (V1, None):
+        _resign(releases, key, {**_index(releases)["index"], "newest": newest})
+        assert _pull(tmp_path / "device" / "releases", trusted, str(releases), "--version", "newest") == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "newest" in err[0] and "highest" in err[0]
