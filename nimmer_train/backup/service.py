@@ -282,8 +282,31 @@ class BackupClient:
         return self._check(self.http.get(f"/accounts/{self.account}/backups"), "listing").json()
 
     def download(self, backup_id: str) -> Sealed:
-        response = self._check(self.http.get(f"/backups/{backup_id}"), f"download of {backup_id}")
-        sealed = Sealed.from_bytes(response.content)
+        """The sealed blob ``backup_id``, read raw (``identity`` asked, a content-encoded reply
+        refused: no gzip bomb inflates here) and never past :data:`MAX_BODY_BYTES`, the most the
+        host accepts on upload."""
+        what = f"download of {backup_id}"
+        with self.http.stream(
+            "GET", f"/backups/{backup_id}", headers={"Accept-Encoding": "identity"}
+        ) as reply:
+            encoding = reply.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise BackupError(
+                    f"the backup host answered the {what} with Content-Encoding {encoding!r} although "
+                    "identity was asked; refused unread"
+                )
+            body = bytearray()
+            for chunk in reply.iter_raw():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise BackupError(
+                        f"the backup host's answer to the {what} is larger than {MAX_BODY_BYTES} bytes, "
+                        "the most a backup can be; refused"
+                    )
+            if reply.status_code != 200:
+                text = body[:500].decode(errors="replace")
+                raise BackupError(f"the backup host refused the {what} ({reply.status_code}): {text}")
+        sealed = Sealed.from_bytes(bytes(body))
         if (sealed.metadata["backup_id"], sealed.metadata["account"]) != (backup_id, self.account):
             raise BackupError(
                 f"asked for backup {backup_id}, the host answered {sealed.metadata['backup_id']} "
