@@ -279,16 +279,19 @@ class BackupClient:
         return self._check(response, "upload").json()["backup_id"]
 
     def list(self) -> list[dict]:
-        return self._check(self.http.get(f"/accounts/{self.account}/backups"), "listing").json()
+        body = self._get(f"/accounts/{self.account}/backups", "listing")
+        try:
+            rows = json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise BackupError(f"the backup host's listing is not JSON ({type(exc).__name__})") from exc
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise BackupError("the backup host's listing is not a list of backups")
+        return rows
 
-    def download(self, backup_id: str) -> Sealed:
-        """The sealed blob ``backup_id``, read raw (``identity`` asked, a content-encoded reply
-        refused: no gzip bomb inflates here) and never past :data:`MAX_BODY_BYTES`, the most the
-        host accepts on upload."""
-        what = f"download of {backup_id}"
-        with self.http.stream(
-            "GET", f"/backups/{backup_id}", headers={"Accept-Encoding": "identity"}
-        ) as reply:
+    def _get(self, path: str, what: str) -> bytes:
+        """GET ``path`` read raw (``identity`` asked, a content-encoded reply refused: no gzip
+        bomb inflates here) and never past :data:`MAX_BODY_BYTES`, the most the host accepts."""
+        with self.http.stream("GET", path, headers={"Accept-Encoding": "identity"}) as reply:
             encoding = reply.headers.get("content-encoding", "identity").strip().lower()
             if encoding not in ("", "identity"):
                 raise BackupError(
@@ -306,7 +309,10 @@ class BackupClient:
             if reply.status_code != 200:
                 text = body[:500].decode(errors="replace")
                 raise BackupError(f"the backup host refused the {what} ({reply.status_code}): {text}")
-        sealed = Sealed.from_bytes(bytes(body))
+        return bytes(body)
+
+    def download(self, backup_id: str) -> Sealed:
+        sealed = Sealed.from_bytes(self._get(f"/backups/{backup_id}", f"download of {backup_id}"))
         if (sealed.metadata["backup_id"], sealed.metadata["account"]) != (backup_id, self.account):
             raise BackupError(
                 f"asked for backup {backup_id}, the host answered {sealed.metadata['backup_id']} "

@@ -34,9 +34,11 @@ async def endless(request: object) -> StreamingResponse:
 
 
 @pytest.mark.parametrize(("route", "words"), [(bomb, "Content-Encoding 'gzip'"), (endless, "larger than")])
-def test_a_download_is_refused_unread_past_the_hosts_own_limit(route: object, words: str) -> None:
-    app = Starlette(routes=[Route("/backups/{backup_id}", route)])
+def test_a_download_or_listing_is_refused_unread_past_the_hosts_own_limit(route: object, words: str) -> None:
+    app = Starlette(routes=[Route("/backups/{backup_id}", route), Route("/accounts/{a}/backups", route)])
     with serve_app(app) as url:
         client = BackupClient(url, DeviceKey.generate())
         with pytest.raises(BackupError, match=words):
             client.download("b" * 32)
+        with pytest.raises(BackupError, match=words):
+            client.list()
