@@ -126,6 +126,7 @@ def test_a_restored_folder_is_the_bundle_exactly_with_private_modes(tmp_path: Pa
     unpack(pack(source), target, "backup voice v1")
     assert _tree(target) == _tree(source)
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in target.rglob("*") if p.is_file())
+    assert stat.S_IMODE(target.stat().st_mode) & 0o077 == 0  # the folder: the player's only
     assert [p.name for p in target.parent.iterdir()] == ["voice"]
 
 
