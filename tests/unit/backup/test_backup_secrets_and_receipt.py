@@ -63,3 +63,38 @@ def test_a_tampered_receipt_is_one_line_and_no_folder_is_touched(
     (player / RECEIPT).unlink()
     assert _backup(monkeypatch, url, "restore", str(player), NAME) == 0
     assert (player / LORAS / NAME / "adapter_config.json").is_file() and (player / RECEIPT).is_file()
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "/tmp/escaped", "..", ".hidden"])
+def test_a_hostile_listing_cannot_name_a_folder_outside_the_players_loras(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A host that lists a backup under a name that is a path: restore with no name (every
+    missing one) refuses it with one line and writes nothing."""
+    import base64
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from nimmer_train.backup.device import account_id
+    from tests.helpers.loopback import serve_app
+
+    async def accounts(request: object) -> JSONResponse:
+        public = base64.b64decode((await request.json())["public_key"])  # type: ignore[attr-defined]
+        return JSONResponse({"account": account_id(public)})
+
+    async def listing(request: object) -> JSONResponse:
+        row = {"lora_name": name, "lora_version": 1, "backup_id": "b" * 32, "size_bytes": 1}
+        return JSONResponse([{**row, "backed_up_at": 0}])
+
+    app = Starlette(
+        routes=[Route("/accounts", accounts, methods=["POST"]), Route("/accounts/{a}/backups", listing)]
+    )
+    player = tmp_path / "player"
+    player.mkdir()
+    with serve_app(app) as url:
+        assert _backup(monkeypatch, url, "restore", str(player)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "LoRA name" in err[0]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["backup_key.pem", "player"]
