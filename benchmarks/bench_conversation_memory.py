@@ -117,7 +117,14 @@ def table(figures: dict[str, float], path: str = "hybrid") -> str:
     return "\n".join(rows)
 
 
-def run(smoke: bool = False, seeds: int = 5, sessions: int = 20, per_session: int = 30) -> dict[str, object]:
+def run(smoke: bool = False) -> dict[str, object]:
+    """The benchmark contract's entry point: the default size (5 seeds x 20 sessions x 30 exchanges)."""
+    return measure(smoke)
+
+
+def measure(
+    smoke: bool = False, seeds: int = 5, sessions: int = 20, per_session: int = 30
+) -> dict[str, object]:
     embedder = SentenceEmbedder()
     embedder.embed(["warm up"])
     started = time.perf_counter()

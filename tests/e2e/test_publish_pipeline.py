@@ -36,6 +36,7 @@ def _publish(workdir: Path, base: Path, drill: str | None) -> subprocess.Complet
         f"publish.base_dir={base}",
         "publish.merge_federated=false",
         "tracking.enabled=false",
+        "publish.adapters=[]",  # the drills are the base's release: no register adapters
         "publish.voice_eval.enabled=false",  # the drills are the release's, not the card's measures
     ]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S)

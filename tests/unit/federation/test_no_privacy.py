@@ -83,7 +83,7 @@ def test_a_no_privacy_federation_publishes_no_epsilon(tmp_path: Path) -> None:
             "never_shared": ["clasp"],
         },
     }
-    privacy = card.render(manifest, "apache-2.0").split("## Privacy")[1]
+    privacy = card.render(manifest, "apache-2.0").split("\n## Privacy\n")[1]
     assert "No privacy guarantee" in privacy and "epsilon" not in privacy.replace("no epsilon", "")
 
 

@@ -112,7 +112,7 @@ def test_run_all_publishes_v1_and_the_federated_v2(tiny_run: Path) -> None:
     card = (v2.folder / "README.md").read_text()
     front = yaml.safe_load(card.split("---")[1])
     assert front["license"] == "apache-2.0" and front["base_model"] == v1.label and front["datasets"]
-    privacy = card.split("## Privacy")[1]
+    privacy = card.split("\n## Privacy\n")[1]
     assert (
         "Delta: 1e-05" in privacy
         and f"{fed['epsilon_a2_record_level']:.3f}" in privacy
