@@ -25,7 +25,9 @@ from nimmer_train.voice.prompt_dsl import (
 from nimmer_train.voice.registers import load_catalogue
 from nimmer_train.voice.sampling import SamplingKnobs
 
-KNOBS = SamplingKnobs(0.8, 0.9, 40, 1.1, 0.05, max_new_tokens=48, no_repeat_ngram_size=3)
+KNOBS = SamplingKnobs(
+    0.8, 0.9, 40, 1.1, 0.05, max_new_tokens=160, no_repeat_ngram_size=3
+)  # room to close the JSON
 
 
 def _prompt(register: str) -> tuple[TurnPrompt, object]:
