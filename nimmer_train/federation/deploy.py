@@ -84,7 +84,18 @@ def publish(context: Context, settings: FederatedConfig, setup: ServerSetup, sta
 
     out = published_to(context)
     assert settings.adapter_dir
-    publish_federated(out, setup.model, Path(settings.adapter_dir), _fingerprint(context), settings, state)
+    from nimmer_train.federation.rounds import federation_id
+
+    ident = federation_id(setup.work)
+    publish_federated(
+        out,
+        setup.model,
+        Path(settings.adapter_dir),
+        _fingerprint(context),
+        settings,
+        state,
+        federation_id=ident,
+    )
     for line in closing_lines(settings, state, setup.work, out):
         log.info("%s", line)
 

@@ -338,14 +338,19 @@ def publish_federated(
     settings: FederatedConfig,
     state: ServerState,
     exposure: dict[str, Any] | None = None,
+    federation_id: str | None = None,
 ) -> dict[str, Any]:
     """Write the aggregated adapter with its records and card; visible only when complete.
-    ``exposure``: the record-level canary audit (:mod:`nimmer_train.federation.exposure_audit`)."""
+    ``exposure``: the record-level canary audit (:mod:`nimmer_train.federation.exposure_audit`);
+    ``federation_id``: the id devices key their spend by (``rounds.federation_id``), published
+    with the rounds released so a device that missed the outcome message learns it from the version."""
     meta = read_metadata(start_adapter)
     data = contributed_data(settings, state)
     a1, a2 = data["tiers"]["A1_federated"], data["tiers"]["A2_anonymized"]
     meta["federation"] = {
         "fingerprint": fp,
+        "federation_id": federation_id,
+        "rounds_released": [int(r["round"]) for r in state.records if r.get("accepted")],
         "started_from": meta.get("training_config_hash"),
         "rounds": data["rounds_completed"],
         "stopped": state.stopped,

@@ -229,7 +229,14 @@ def run_federation(
         exposure = record_level_audit(p, s, state, pool)
         published.update(
             results.publish_federated(
-                p.out, setup.model, p.adapter_dir, p.fingerprint, s, state, exposure=exposure
+                p.out,
+                setup.model,
+                p.adapter_dir,
+                p.fingerprint,
+                s,
+                state,
+                exposure=exposure,
+                federation_id=rounds.federation_id(setup.work),
             )
         )
 
