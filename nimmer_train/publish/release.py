@@ -476,6 +476,13 @@ def _merged_adapter(req: PublishRequest, merged_meta: dict[str, Any] | None) -> 
         "fingerprint": read_manifest(req.merge_adapter)["fingerprint"],
         "federation": fed.get("fingerprint", ""),
         "rounds": fed.get("rounds", 0),
+        # the federation as devices key their spend (its ledger's id, never a player's), the rounds
+        # released into this adapter and its A.1 epsilon: a device that missed the server's outcome
+        # learns from this signed manifest which of its rounds were released (memory/contributions)
+        "federation_id": fed.get("federation_id"),
+        "rounds_released": fed.get("rounds_released"),
+        "epsilon_a1_user_level": fed.get("epsilon_a1_user_level") or None,
+        "delta": fed.get("delta"),
         "heldout_loss_before": fed.get("heldout_loss_before"),
         "heldout_loss_after": fed.get("heldout_loss_after"),
     }
