@@ -351,6 +351,7 @@ def publish_federated(
         "fingerprint": fp,
         "federation_id": federation_id,
         "rounds_released": [int(r["round"]) for r in state.records if r.get("accepted")],
+        "rounds_done": state.round,  # the rounds after it (a resumed federation) are not this adapter's
         "started_from": meta.get("training_config_hash"),
         "rounds": data["rounds_completed"],
         "stopped": state.stopped,
