@@ -481,6 +481,7 @@ def _merged_adapter(req: PublishRequest, merged_meta: dict[str, Any] | None) -> 
         # learns from this signed manifest which of its rounds were released (memory/contributions)
         "federation_id": fed.get("federation_id"),
         "rounds_released": fed.get("rounds_released"),
+        "rounds_done": fed.get("rounds_done"),
         "epsilon_a1_user_level": fed.get("epsilon_a1_user_level") or None,
         "delta": fed.get("delta"),
         "heldout_loss_before": fed.get("heldout_loss_before"),
