@@ -290,6 +290,8 @@ class VoiceEvalConfig:
     seed: int = 0
     # the hand-written seed set (the replay teacher's answers) that trains the register classifier
     seed_set: str = "${paths.root}/data/seed/teacher_replay_v1.jsonl"
+    # scenes written for the report alone, spoken beside the held-out ones (null: none)
+    eval_scenes: str | None = "${paths.root}/data/scenes/voice_eval_only.yaml"
 
     def __post_init__(self) -> None:
         if self.turns_per_register < 1 or self.max_new_tokens < 8:
@@ -364,6 +366,18 @@ class RuntimeConfig:
     engine: str = "torch"  # Ring A: torch (the float32 reference) | llama (the release's GGUF on llama.cpp)
     quant: str = "q4_1"  # engine=llama: the GGUF base, q4_1 or q8_0 (docs/runtime.md)
     engine_fallback: bool = False  # engine=llama cannot run here: speak in float32, saying so in the turn
+    # the conversation's last turns shown verbatim (runtime/conversation.py): at most this many
+    # tokens, within what the ring's context leaves; with max_new_tokens it must fit that context
+    conversation_tokens: int = 256
+    query_lines: int = 1  # the player's lines before this one that join the memory query (0: none)
+
+    def __post_init__(self) -> None:
+        if self.conversation_tokens < 0 or self.query_lines < 0:
+            raise ConfigError(
+                "runtime.conversation_tokens",
+                f"conversation_tokens={self.conversation_tokens} and query_lines={self.query_lines} "
+                "must be >= 0 (0: no conversation window / a query of the player's line alone)",
+            )
 
 
 @dataclass
