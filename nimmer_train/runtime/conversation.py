@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from nimmer_train.agent.hormones import SPIKES, Hormones
+from nimmer_train.errors import ConfigError
 from nimmer_train.memory.db import connect, migrate
 from nimmer_train.memory.entries import MemoryEntry
 from nimmer_train.voice.prompt_dsl import NPC, PLAYER, conversation_tokens
@@ -196,6 +197,23 @@ def window(newest_first: list[Line], budget: int, count: Callable[[str], int]) -
         used += cost
         kept.extend(turn)
     return kept[::-1]
+
+
+def check_window(
+    tokens: int, reply: int, rings: dict[str, Any], key: str = "runtime.conversation_tokens"
+) -> None:
+    """Refuse a window budget that, with the reply, fills a ring's context: the turn would clamp it
+    silently at every turn (the window takes only what the context leaves), so a budget that can
+    never be had is a configuration mistake, said once before anything is spoken."""
+    for tier, ring in rings.items():
+        context = getattr(ring, "context_tokens", None)
+        if context and tokens + reply >= context:
+            raise ConfigError(
+                key,
+                f"{tokens} conversation tokens and {reply} reply tokens (runtime.max_new_tokens) do not "
+                f"fit ring {ring.name}'s context of {context} tokens (tier {tier}): set it below "
+                f"{context - reply}, less the prompt's own tokens",
+            )
 
 
 def query_vector(

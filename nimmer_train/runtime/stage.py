@@ -28,6 +28,7 @@ from nimmer_train.config import Config
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.embedding import SentenceEmbedder
 from nimmer_train.memory.sync import open_player
+from nimmer_train.runtime.conversation import Conversations, check_window
 from nimmer_train.runtime.local_model import LocalModel
 from nimmer_train.runtime.rings import RingA, RingB, RingConfig
 from nimmer_train.runtime.selection import SelectionConfig
@@ -160,7 +161,10 @@ def _speak(cfg: Config, model: LocalModel, path: Path, transcripts: Any = None) 
     r = cfg.runtime
     releases, trusted = Path(r.releases_dir), Path(r.trusted_keys)
     registers = [*model.registers, *([model.merged_register] if model.merged_register else [])]
+    # a window that cannot fit beside the reply is refused before the server starts
+    check_window(r.conversation_tokens, r.max_new_tokens, {"casual": RingA(model)})
     memory, _ = open_player(Path(r.player_dir), SentenceEmbedder())
+    conversations = Conversations(Path(r.player_dir))  # the NPCs remember earlier turns (issue 40)
     turns: list[Turn] = []
     try:
         with serve_process(releases, model.label, trusted) as url:
@@ -169,7 +173,11 @@ def _speak(cfg: Config, model: LocalModel, path: Path, transcripts: Any = None) 
                 if r.engine == "torch"
                 else RingA.open(releases, model.label, trusted, True, r.engine, r.quant, r.engine_fallback)
             )
-            rings = {"casual": ring_a, "deep": RingB(RingConfig(ring="B", base_url=url))}
+            # nimmer serve serves this version: Ring B's prompt fits the same context, counted by
+            # the same tokenizer (its default word estimate let a window overflow the tiny model's)
+            ring_b = RingB(RingConfig(ring="B", base_url=url, context_tokens=model.context_tokens))
+            ring_b.count = RingA(model).count
+            rings = {"casual": ring_a, "deep": ring_b}
             runtime = NpcRuntime(
                 cfg.registers,
                 rings,
@@ -179,6 +187,9 @@ def _speak(cfg: Config, model: LocalModel, path: Path, transcripts: Any = None) 
                 max_new_tokens=r.max_new_tokens,
                 transcripts=transcripts,
                 session_id="demo-session",
+                conversations=conversations,
+                conversation_tokens=r.conversation_tokens,
+                query_lines=r.query_lines,
             )
             for register in sorted(registers):
                 traits = cfg.registers.get(register).traits
@@ -188,6 +199,7 @@ def _speak(cfg: Config, model: LocalModel, path: Path, transcripts: Any = None) 
             if ring_a.model is not model:
                 ring_a.model.close()
     finally:
+        conversations.close()
         memory.close()
     write_json_atomic(path, [asdict(t) for t in turns])
     print(f"\nOne turn per register on {model.label} (ring A: in-process; ring B: nimmer serve at {url}):")
@@ -196,7 +208,8 @@ def _speak(cfg: Config, model: LocalModel, path: Path, transcripts: Any = None) 
         lora = t.adapter or "no LoRA: in the weights"
         print(
             f"  [{t.register}] ring {t.ring} ({lora}; "
-            f"T={k['temperature']}, top_p={k['top_p']}, top_k={k['top_k']})"
+            f"T={k['temperature']}, top_p={k['top_p']}, top_k={k['top_k']}; "
+            f"{t.window_lines} earlier lines in the prompt)"
         )
         print(f"      {json.dumps(t.reply, ensure_ascii=False)}")
     print(f"turns (with prompts, knobs and timings): {path}")
