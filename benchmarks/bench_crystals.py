@@ -35,66 +35,41 @@ from pathlib import Path
 
 import numpy as np
 
+from nimmer_train.agent import dialogues
 from nimmer_train.agent.agent_memory import AgentMemory
 from nimmer_train.agent.consolidation import consolidate
 from nimmer_train.agent.crystals import CrystalSpec
+from nimmer_train.agent.dialogues import (
+    ADJECTIVES,
+    COLOURS,
+    DAY,
+    FOODS,
+    JOBS,
+    MONTHS,
+    PETS,
+    PLACES,
+    START,
+    TOPICS,
+)
 from nimmer_train.agent.ingestion import Exchange, TranscriptIndexer, index_exchanges
 from nimmer_train.agent.search import SearchWeights
 from nimmer_train.memory.embedding import SentenceEmbedder
 
-DAY = 86400.0
-START = 1_800_000_000.0
-NAMES = [
-    "Ilse",
-    "Greta",
-    "Tomas",
-    "Jorunn",
-    "Mara",
-    "Pavel",
-    "Ines",
-    "Oskar",
-    "Lena",
-    "Birk",
-    "Selma",
-    "Anton",
-]
-CITIES = ["Hamburg", "Lisbon", "Munich", "Oslo", "Porto", "Vienna", "Ghent", "Krakow", "Turin", "Bergen"]
-JOBS = ["nurse", "carpenter", "teacher", "baker", "electrician", "librarian", "pharmacist", "translator"]
-PLACES = ["city hospital", "harbour office", "public library", "train depot", "river school", "old mill"]
-PETS = [("dog", "Biscuit"), ("cat", "Pepper"), ("parrot", "Kiwi"), ("rabbit", "Clover"), ("dog", "Rusty")]
-FOODS = ["mushroom risotto", "lentil soup", "grilled sardines", "dumplings", "pumpkin pie", "falafel"]
+# the vocabulary of agent/dialogues.py, the project's generator of long dialogues; the slices keep
+# this generator's first choices (so its seeded conversations, and its figures, stay as they were)
+NAMES = list(dialogues.NAMES[:12])
+CITIES = list(dialogues.CITIES[:10])
+JOBS, PLACES, PETS, FOODS = list(JOBS), list(PLACES), list(PETS), list(FOODS)
 DRINKS = ["green tea", "black coffee", "hot chocolate", "apple juice", "mint tea"]
 HOBBIES = ["climbing", "pottery", "chess", "sailing", "birdwatching", "woodcarving", "running"]
-COLOURS = ["red", "blue", "green", "yellow", "grey", "white"]
-MONTHS = ["March", "May", "July", "September", "November"]
-FILLER = [
-    "The weather has been {adj} all week.",
-    "I watched a documentary about {topic} yesterday.",
-    "My friend {name} lives in {city} and works as a {job}.",
-    "Have you heard the news about {topic}?",
-    "{name} told me she is thinking about getting a {pet}.",
-    "I had {food} for lunch, it was fine.",
-    "Traffic in {city} was terrible this morning.",
-    "{name} wants to take up {hobby} next year.",
-    "I'm a bit tired today, long day.",
-    "Do you think it will rain on the weekend?",
-]
-TOPICS = ["volcanoes", "the election", "deep sea fish", "old castles", "electric cars", "bees"]
-ADJECTIVES = ["grey", "sunny", "windy", "cold", "strange"]
+COLOURS, MONTHS = list(COLOURS), list(MONTHS)
+FILLER = list(dialogues.FILLER[:10])
 REALISTIC_FILLER = [  # other people's changes: the same topics as the user's updates
-    "My friend {name} moved from {city} to {city2} in the spring.",
-    "{name} had her bike painted {colour}, it looks great.",
-    "{name} just started a new job at the {place}.",
+    *dialogues.FILLER[10:13],
     "My cousin {name} lives in {city} now and loves it.",
     "What do you think makes a good {job}?",
 ]
-REPLIES = [
-    "That's interesting, tell me more.",
-    "I see. How do you feel about that?",
-    "Thanks for sharing that with me.",
-    "Oh, I didn't know that.",
-    "Noted! Anything else on your mind?",
-]
+REPLIES = list(dialogues.REPLIES[:5])
 
 
 @dataclass
