@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-from nimmer_train.cli.common import open_player, stamp
+from nimmer_train.cli.common import open_player, stamp, trusted_keys
 from nimmer_train.errors import NimmerError
 from nimmer_train.federation.intake import write_upload
 from nimmer_train.memory import contributions
 from nimmer_train.memory.consent import a2_upload, get_consent, read_profile
 from nimmer_train.memory.deletion_requests import make_request, record_answer
+from nimmer_train.publish.released_rounds import federation_releases
+from nimmer_train.publish.signing import Keyring
 
 OUTBOX = "outbox"  # a device's uploads waiting to be handed to the operator, inside its folder
 
@@ -29,6 +32,14 @@ def register(log: argparse.ArgumentParser) -> None:
     )
     log.add_argument("--answer", type=Path, default=None, help="forget: the operator's answer file")
     log.add_argument("--intake", default=None, help="upload/forget through the operator's A.2 intake URL")
+    log.add_argument(
+        "--releases",
+        type=Path,
+        default=Path("releases"),
+        help="show: the versions pulled here (default ./releases); a signed version that names a "
+        "federation of this device says which of its rounds were released",
+    )
+    log.add_argument("--trusted-keys", type=Path, default=None, help="default: RELEASES/../keys/trusted")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         (args.words[0], Path(args.words[1])) if len(args.words) == 2 else ("show", Path(args.words[0]))
     )
     if action == "show":
-        return _show(folder, args.json)
+        refused = _learn_from_versions(folder, args)
+        return _show(folder, args.json) or (1 if refused else 0)
     if action in ("upload", "forget") and args.intake:
         return _through_intake(action, folder, args.intake)
     if action == "upload":
@@ -66,6 +78,22 @@ def _show(folder: Path, as_json: bool) -> int:
         lines.append(f"consent revoked since {stamp(revoked_at)}: nothing leaves this device")
     print("\n".join(lines) or f"{folder}: nothing has left this device yet")
     return 0
+
+
+def _learn_from_versions(folder: Path, args: argparse.Namespace) -> list[str]:
+    """Record what the signed versions in ``--releases`` say of this device's federations (their
+    signatures verified first); print, on stderr, one line per version refused (nothing of it is
+    believed, the log is unchanged by it) and return those lines."""
+    claims, refused = federation_releases(args.releases, Keyring.load(trusted_keys(args)))
+    open_player(folder).close()  # a player folder, before anything is written into it
+    contributions.record_published(folder, claims)
+    for line in refused:
+        print(
+            f"refused {line}; nothing it says of released rounds is believed (the contributions log "
+            f"is unchanged by it): `nimmer versions verify` it, or pull it again",
+            file=sys.stderr,
+        )
+    return refused
 
 
 def _through_intake(action: str, folder: Path, url: str) -> int:

@@ -13,6 +13,11 @@ device). Kinds of entries:
   those not released);
 - ``outcome``: the server's word on its rounds when the federation ended (``final``): which were
   not released, and the federation's user-level epsilon;
+- ``published``: a signed published version's word on a federation this device trained in
+  (recorded by ``nimmer contributions`` after the manifest's signature verified:
+  ``publish/released_rounds.py``): its label, version id and manifest sha256, the rounds it
+  released, the federation's last round in it and its A.1 epsilon with delta. It outranks the
+  server's word: a device that left early (revoked, offline) never hears the outcome message;
 - ``refused``: a round this device was asked into and refused (consent revoked or not A.1);
 - ``consent_granted`` and ``consent_revoked``: the player's consent changing (from then on the
   device takes part, or shares nothing);
@@ -41,6 +46,7 @@ LOG_FILE = "contributions.jsonl"
 KINDS = (
     "round",
     "outcome",
+    "published",
     "refused",
     "consent_granted",
     "consent_revoked",
@@ -106,11 +112,34 @@ def federation_keys(log: list[dict[str, Any]]) -> list[str | None]:
 RELEASED, NOT_RELEASED, PENDING, UNRECORDED = "released", "not_released", "pending", "not_recorded"
 
 
+def published(log: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    """(federation id, round) -> the ``published`` entry of the first (lowest) version that
+    released that round."""
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    for e in sorted((e for e in log if e["kind"] == "published"), key=lambda e: e["version_number"]):
+        for r in e["rounds_released"]:
+            out.setdefault((str(e["federation_id"]), int(r)), e)
+    return out
+
+
+def _published_done(log: list[dict[str, Any]]) -> dict[str, float]:
+    """Federation id -> the last round a published version of it covers (its ``rounds_done``;
+    infinite when the manifest does not say: every round of the federation)."""
+    done: dict[str, float] = {}
+    for e in log:
+        if e["kind"] == "published":
+            last = float("inf") if e.get("rounds_done") is None else float(e["rounds_done"])
+            done[str(e["federation_id"])] = max(done.get(str(e["federation_id"]), 0.0), last)
+    return done
+
+
 def release_states(log: list[dict[str, Any]]) -> dict[tuple[str, int], str]:
-    """(federation key, round) -> whether that round was released, as the server told this
-    device: in a later round's instructions or in the outcome it sends when the federation ends.
-    A round the server has not spoken of yet is pending; one logged before federation ids
-    (and so before the server told outcomes) is not recorded."""
+    """(federation key, round) -> whether that round was released: first as a signed published
+    version says (``published``: released in it, or not released when the version covers the
+    round and leaves it out), else as the server told this device, in a later round's
+    instructions or in the outcome it sends when the federation ends. A round neither has spoken
+    of yet is pending; one logged before federation ids (and so before the server told
+    outcomes) is not recorded."""
     done: dict[str, int] = {}
     unreleased: dict[str, set[int]] = {}
     for key, e in zip(federation_keys(log), log, strict=True):
@@ -120,11 +149,16 @@ def release_states(log: list[dict[str, Any]]) -> dict[tuple[str, int], str]:
         done[key] = max(done.get(key, 0), int(told.get("rounds_done", 0)))
         unreleased.setdefault(key, set()).update(int(r) for r in told.get("not_released", ()))
     states = {}
+    in_version, covered = published(log), _published_done(log)
     for key, e in zip(federation_keys(log), log, strict=True):
         if e["kind"] != "round" or key is None:
             continue
         r = int(e["round"])
-        if key.startswith("legacy:"):
+        if (key, r) in in_version:
+            states[(key, r)] = RELEASED
+        elif r <= covered.get(key, 0):
+            states[(key, r)] = NOT_RELEASED
+        elif key.startswith("legacy:"):
             states[(key, r)] = UNRECORDED
         elif r > done.get(key, 0):
             states[(key, r)] = PENDING
@@ -138,22 +172,29 @@ def spend(folder: Path) -> dict[str, Any]:
     were released, not released or are pending; ``epsilon``: the federation's user-level (A.1)
     epsilon after the last released round this device trained in (or the server's final figure,
     when it told one; a log from before release states counts every round as released), with
-    delta; ``epsilon_if_pending_released``: what it becomes should the pending rounds be
-    released; ``epsilon_local``: this device's own record-level epsilon of local DP-SGD (one
-    accountant for all federations)."""
+    delta; a signed published version's figure (``published``) replaces the rounds' own for the
+    rounds it covers, and names the version (``released_in``); ``epsilon_if_pending_released``:
+    what it becomes should the pending rounds be released; ``epsilon_local``: this device's own
+    record-level epsilon of local DP-SGD (one accountant for all federations)."""
     log = entries(folder)
-    states = release_states(log)
+    states, in_version, covered = release_states(log), published(log), _published_done(log)
     out: dict[str, dict[str, Any]] = {}
     for key, e in zip(federation_keys(log), log, strict=True):
-        if key is None or e["kind"] not in ("round", "outcome"):
+        if key is None or e["kind"] not in ("round", "outcome", "published"):
             continue
         f = out.setdefault(
             key,
             {"federation": e.get("federation"), "rounds": 0, RELEASED: 0, NOT_RELEASED: 0, PENDING: 0},
         )
         f.setdefault("epsilon", None)
-        if e["kind"] == "outcome":
+        if e["kind"] == "published":  # the signed figure over the federation's population
+            f["released_in"] = f.get("released_in") or e["label"]
             if e.get("epsilon") is not None:
+                f["epsilon"] = max(f["epsilon"] or 0.0, float(e["epsilon"]))
+                f["delta"] = e.get("delta", f.get("delta"))
+            continue
+        if e["kind"] == "outcome":  # the server's last word, unless a signed version covers it
+            if e.get("epsilon") is not None and int(e.get("rounds_done", 0)) > covered.get(key, 0):
                 f["epsilon"] = max(f["epsilon"] or 0.0, float(e["epsilon"]))
                 f["delta"] = e.get("delta", f.get("delta"))
             continue
@@ -161,7 +202,8 @@ def spend(folder: Path) -> dict[str, Any]:
         f["rounds"] += 1
         f[state] = f.get(state, 0) + 1
         f.update(last_round=e["round"], epsilon_local=e.get("epsilon_local"), delta=e.get("delta"))
-        if state in (RELEASED, UNRECORDED) and e.get("epsilon") is not None:
+        signed = (key, int(e["round"])) in in_version  # its figure is the version's
+        if state in (RELEASED, UNRECORDED) and e.get("epsilon") is not None and not signed:
             f["epsilon"] = max(f["epsilon"] or 0.0, float(e["epsilon"]))
         if state == PENDING and e.get("epsilon") is not None:
             f["epsilon_if_pending_released"] = float(e["epsilon"])
@@ -193,8 +235,16 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g}"
 
 
-def _round_line(e: dict[str, Any], state: str) -> str:
+def _round_line(e: dict[str, Any], state: str, version: dict[str, Any] | None = None) -> str:
     federation = "A.1 user-level, the federation's"
+    if version is not None:  # released as a signed published version says
+        return (
+            f"round {e['round']} of {e['federation']} ({e['tier']}): left this device: {e['left']}; "
+            f"{e['examples_used']} local examples trained on here; round released in {version['label']} "
+            f"(signed; its epsilon {_fmt(version.get('epsilon'))}, A.1 user-level over the federation's "
+            f"population, at delta {version.get('delta') or 0:g}); {_fmt(e.get('epsilon_local'))} "
+            "(this device's DP-SGD, record-level)"
+        )
     cost = {
         RELEASED: f"epsilon {_fmt(e.get('epsilon'))} ({federation}, round released)",
         NOT_RELEASED: "round not released: the federation spent nothing on it and published nothing of it",
@@ -209,10 +259,17 @@ def _round_line(e: dict[str, Any], state: str) -> str:
     )
 
 
-def _line(e: dict[str, Any], state: str | None) -> str:
+def _line(e: dict[str, Any], state: str | None, version: dict[str, Any] | None = None) -> str:
     kind = e["kind"]
     if kind == "round":
-        return _round_line(e, state or PENDING)
+        return _round_line(e, state or PENDING, version)
+    if kind == "published":
+        rounds = ", ".join(map(str, e["rounds_released"])) or "none"
+        return (
+            f"{e['label']} (signed by key {e['key_id']}) releases rounds {rounds} of {e['federation']} "
+            f"(federation {e['federation_id']}): its epsilon {_fmt(e.get('epsilon'))} (A.1 user-level) "
+            f"at delta {e.get('delta') or 0:g}"
+        )
     if kind == "outcome":
         kept = ", ".join(map(str, e.get("not_released", ()))) or "none"
         return (
@@ -241,12 +298,13 @@ def _line(e: dict[str, Any], state: str | None) -> str:
 def render(log: list[dict[str, Any]]) -> list[str]:
     """The log as lines a contributor reads (``nimmer contributions``); a round says whether it
     was released, as far as the server has told."""
-    states = release_states(log)
+    states, in_version = release_states(log), published(log)
     lines = []
     for key, e in zip(federation_keys(log), log, strict=True):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e["at"]))
-        state = states.get((key, int(e["round"]))) if key and e["kind"] == "round" else None
-        lines.append(f"{when}  {_line(e, state)}")
+        where = (key, int(e["round"])) if key and e["kind"] == "round" else None
+        state = states.get(where) if where else None
+        lines.append(f"{when}  {_line(e, state, in_version.get(where) if where else None)}")
     return lines
 
 
@@ -254,6 +312,7 @@ def render_spend(by_federation: dict[str, Any]) -> list[str]:
     """The spend per federation and the running total, as ``nimmer contributions`` ends."""
     lines = []
     for key, f in by_federation.items():
+        signed = f" (released in {f['released_in']}, signed)" if f.get("released_in") else ""
         pending = (
             f"; {f[PENDING]} pending (epsilon {_fmt(f['epsilon_if_pending_released'])} if released)"
             if f.get("epsilon_if_pending_released") is not None
@@ -266,8 +325,8 @@ def render_spend(by_federation: dict[str, Any]) -> list[str]:
         )
         lines.append(
             f"spend in {f['federation']} (federation {key}): {f['rounds']} round(s) trained, "
-            f"{f[RELEASED]} released, {f[NOT_RELEASED]} not released{old}; epsilon {_fmt(f['epsilon'])} "
-            f"(A.1 user-level) at delta {f.get('delta') or 0:g}{pending}"
+            f"{f[RELEASED]} released{signed}, {f[NOT_RELEASED]} not released{old}; "
+            f"epsilon {_fmt(f['epsilon'])} (A.1 user-level) at delta {f.get('delta') or 0:g}{pending}"
         )
     if by_federation:
         t = spend_total(by_federation)
@@ -277,3 +336,39 @@ def render_spend(by_federation: dict[str, Any]) -> list[str]:
             f"this device's DP-SGD {_fmt(t['epsilon_local'])} (record-level)"
         )
     return lines
+
+
+def record_published(folder: Path, claims: list[Any]) -> list[dict[str, Any]]:
+    """Append a ``published`` entry for each verified version's word (``claims``: objects like
+    ``publish.released_rounds.FederationRelease``) on a federation this device trained in, once
+    per version and manifest; returns the entries added. The caller verified each signature."""
+    log = entries(folder)
+    mine = {
+        str(e["federation_id"]): e["federation"]
+        for e in log
+        if e["kind"] == "round" and e.get("federation_id")
+    }
+    have = {(e["version_id"], e["manifest_sha256"]) for e in log if e["kind"] == "published"}
+    added = []
+    for c in claims:
+        if c.federation_id not in mine or (c.version_id, c.manifest_sha256) in have:
+            continue
+        have.add((c.version_id, c.manifest_sha256))
+        added.append(
+            record(
+                folder,
+                "published",
+                federation_id=c.federation_id,
+                federation=mine[c.federation_id],
+                label=c.label,
+                version_number=c.version_number,
+                version_id=c.version_id,
+                manifest_sha256=c.manifest_sha256,
+                key_id=c.key_id,
+                rounds_released=list(c.rounds_released),
+                rounds_done=c.rounds_done,
+                epsilon=c.epsilon_a1_user_level,
+                delta=c.delta,
+            )
+        )
+    return added

@@ -105,3 +105,63 @@ def test_the_log_refuses_an_unknown_kind_but_knows_the_new_ones(tmp_path: Path, 
     with pytest.raises(ValueError, match="unknown contributions entry kind"):
         record(tmp_path, "spend")
     assert record(tmp_path, kind, federation=ADDRESS, round=1)["kind"] == kind
+
+
+def _published(
+    folder: Path, ident: str, label: str, number: int, rounds: list[int], done: int | None, eps: float
+) -> None:
+    record(
+        folder, "published", federation_id=ident, federation=ADDRESS, label=label, version_number=number,
+        version_id=f"id-{number}", manifest_sha256=f"{number:064x}", key_id="k", rounds_released=rounds,
+        rounds_done=done, epsilon=eps, delta=1e-5,
+    )  # fmt: skip
+
+
+def test_a_signed_version_outranks_the_servers_word_and_covers_only_its_rounds(tmp_path: Path) -> None:
+    """Rounds 2 and 3 pending (the device left early); v2 released round 3 of rounds 1-3: round 2
+    becomes not released, 3 released in v2 with v2's epsilon; round 4 (a resumed federation,
+    after the version's rounds_done) stays as the server told."""
+    _round(tmp_path, 1, 1.0, "f", rounds_done=0, not_released=[])
+    _round(tmp_path, 2, 1.4, "f", rounds_done=1, not_released=[])
+    _round(tmp_path, 3, 1.9, "f", rounds_done=1, not_released=[])
+    _round(tmp_path, 4, 2.5, "f", rounds_done=1, not_released=[])
+    _published(tmp_path, "f", "nimmerworld-base-v2", 2, [1, 3], 3, 1.3)
+    log = entries(tmp_path)
+    assert [release_states(log)[("f", r)] for r in (1, 2, 3, 4)] == [
+        "released", "not_released", "released", "pending",
+    ]  # fmt: skip
+    lines = render(log)
+    assert "round released in nimmerworld-base-v2 (signed; its epsilon 1.3" in lines[2]
+    assert "if this round is released" in lines[3]
+    f = spend(tmp_path)["f"]
+    # the version's figure for the rounds it covers, not the device's per-round estimate (1.9)
+    assert (f["epsilon"], f["released_in"], f["epsilon_if_pending_released"]) == (
+        1.3,
+        "nimmerworld-base-v2",
+        2.5,
+    )
+
+
+def test_the_first_version_to_release_a_round_names_it_and_other_federations_are_untouched(
+    tmp_path: Path,
+) -> None:
+    _round(tmp_path, 1, 1.0, "f", rounds_done=0, not_released=[])
+    _round(tmp_path, 1, 3.0, "g", rounds_done=0, not_released=[])
+    _published(tmp_path, "f", "nimmerworld-base-v3", 3, [1], None, 1.0)
+    _published(tmp_path, "f", "nimmerworld-base-v2", 2, [1], None, 1.0)
+    log = entries(tmp_path)
+    assert "released in nimmerworld-base-v2" in render(log)[0]
+    assert release_states(log)[("g", 1)] == "pending"
+    assert spend(tmp_path)["g"]["epsilon"] is None
+
+
+def test_record_published_keeps_only_this_devices_federations_once(tmp_path: Path) -> None:
+    from nimmer_train.memory.contributions import record_published
+    from nimmer_train.publish.released_rounds import FederationRelease
+
+    _round(tmp_path, 1, 1.0, "f", rounds_done=0, not_released=[])
+    mine = FederationRelease("f", "nimmerworld-base-v2", 2, "id-2", "a" * 64, "k", (1,), 1, 1.0, 1e-5)
+    other = FederationRelease("x", "nimmerworld-base-v3", 3, "id-3", "b" * 64, "k", (1,), 1, 9.0, 1e-5)
+    assert [e["label"] for e in record_published(tmp_path, [mine, other])] == ["nimmerworld-base-v2"]
+    assert record_published(tmp_path, [mine, other]) == []
+    assert [e["kind"] for e in entries(tmp_path)] == ["round", "published"]
