@@ -13,7 +13,7 @@ from typing import Any
 from nimmer_train.cli.common import trusted_keys
 from nimmer_train.errors import NimmerError
 from nimmer_train.publish import mlflow_registry
-from nimmer_train.publish.index import INDEX, NEWEST, write_index
+from nimmer_train.publish.index import INDEX, NEWEST, VALIDITY_DAYS, write_index
 from nimmer_train.publish.listing import print_versions, privacy_report
 from nimmer_train.publish.manifest import SIGNATURE
 from nimmer_train.publish.pull import is_version_location, pull_from_mirror, pull_version
@@ -43,6 +43,21 @@ def register(parser: argparse.ArgumentParser) -> None:
                 default=None,
                 help=f"re-signs RELEASES/{INDEX} when there is one (default: RELEASES/../keys/publisher.key)",
             )
+    index = vcmd.add_parser(
+        "sign-index",
+        help=f"re-sign RELEASES/{INDEX} (next sequence, fresh issued_at/expires_at); run it well within "
+        "the validity so a live mirror never serves an expired index",
+    )
+    _release_options(index, defaults=False)
+    index.add_argument(
+        "--signing-key", type=Path, default=None, help="default: RELEASES/../keys/publisher.key"
+    )
+    index.add_argument(
+        "--validity-days",
+        type=float,
+        default=None,
+        help=f"how long this and later indexes stay valid (kept in the registry; default {VALIDITY_DAYS:g})",
+    )
     pull = vcmd.add_parser("pull", help="fetch a version (resumable), verify it, register it here")
     _release_options(pull, defaults=False)
     pull.add_argument(
@@ -65,6 +80,19 @@ def register(parser: argparse.ArgumentParser) -> None:
     pull.add_argument("--no-alias", dest="alias", action="store_const", const=None, help="only register it")
     pull.add_argument(
         "--allow-downgrade", action="store_true", help="let the alias move to an older version (a rollback)"
+    )
+    pull.add_argument(
+        "--allow-expired-index",
+        action="store_true",
+        help="from a mirror: use its signed index past its expires_at (an offline copy you trust is "
+        "current); every other check still runs",
+    )
+    pull.add_argument(
+        "--accept-index-id",
+        default=None,
+        metavar="INDEX_ID",
+        help="from a mirror: follow this index_id from now on, in place of the one pinned at the first "
+        "pull (the publisher moved to a new releases folder)",
     )
 
 
@@ -96,6 +124,14 @@ def run(args: argparse.Namespace) -> int:
         _verify(args, releases)
     elif args.command == "pull":
         _pull(args, releases)
+    elif args.command == "sign-index":
+        index = write_index(
+            releases, args.signing_key or releases.parent / "keys" / "publisher.key", args.validity_days
+        )
+        print(
+            f"signed index {releases / INDEX}: sequence {index['sequence']}, issued {index['issued_at']}, "
+            f"expires {index['expires_at']}; newest {index['newest']}"
+        )
     else:
         _promote(args, releases)
     return 0
@@ -181,11 +217,18 @@ def _pull(args: argparse.Namespace, releases: Path) -> None:
         select = args.select or "production"
         alias = args.alias if args.alias != "" else None if select == "candidate" else "production"
         index, got = pull_from_mirror(
-            releases, args.source, select, keyring, alias, allow_downgrade=args.allow_downgrade
+            releases,
+            args.source,
+            select,
+            keyring,
+            alias,
+            allow_downgrade=args.allow_downgrade,
+            allow_expired=args.allow_expired_index,
+            accept_index_id=args.accept_index_id,
         )
         print(
-            f"the mirror's signed index (sequence {index['sequence']}, {index['issued_at']}): "
-            f"{select} is {got.label}"
+            f"the mirror's signed index (sequence {index['sequence']}, {index['issued_at']}, expires "
+            f"{index.get('expires_at', 'never: signed before indexes expired')}): {select} is {got.label}"
         )
     moved = f"; {got.alias} -> {got.label}" if got.alias else ""
     if got.discarded:

@@ -5,14 +5,20 @@
 the signature (the publisher's manifest key, ``publish/signing.py``) over the index's canonical
 bytes (``manifest_bytes``: sorted keys, so a reader re-serialises what it parsed and verifies
 exactly what it will use). The index holds its ``format``, an ``index_id`` made once per releases
-folder, a ``sequence`` one higher at every write, ``issued_at``, every version (label, version
-id, number, the sha256 of its signed manifest), the aliases and the newest label. Publish writes
-it after it commits (and promotes) and ``nimmer versions promote`` after it moves an alias.
+folder, a ``sequence`` one higher at every write, ``issued_at`` and ``expires_at`` (issued_at plus
+the releases folder's validity, :data:`VALIDITY_DAYS` unless ``nimmer versions sign-index
+--validity-days`` set another), every version (label, version id, number, the sha256 of its
+signed manifest), the aliases and the newest label. Publish writes it after it commits (and
+promotes), ``nimmer versions promote`` after it moves an alias, and ``nimmer versions
+sign-index`` re-signs it unchanged but for its sequence and dates: the publisher runs it well
+within the validity (daily, say), so a live mirror never serves an expired index.
 
 A reader trusts it no further than the signature: :func:`read_index` verifies it against the
-trusted keys and checks its shape; a pull then refuses a manifest whose sha256 is not the one the
-index names, and an index whose sequence is lower than one this device already read from the same
-``index_id`` (a stale or rolled-back mirror).
+trusted keys and checks its shape; a pull (``publish/pull.py``) then refuses an expired index (a
+frozen mirror: :func:`expired`), an index under another ``index_id`` than the one the device
+pinned at its first pull from this publisher (another releases folder, or an old one re-served to
+roll ``newest`` back), an index whose sequence is lower than one this device already read, and a
+manifest whose sha256 is not the one the index names.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +42,30 @@ NEWEST = "newest"
 MAX_INDEX_BYTES = 16 << 20  # like a manifest: refused unread above this
 ID_SETTING, SEQUENCE_SETTING = "index_id", "index_sequence"  # the publisher's registry settings
 SEEN_SETTING = "mirror_index_sequence:"  # + index_id: the highest sequence a device has read
+PIN_SETTING = "mirror_index_id"  # the publisher's index_id a device pinned at its first mirror pull
+VALIDITY_SETTING = "index_validity_days"  # the publisher's: how long an index it signs is valid
+VALIDITY_DAYS = 14.0  # the default: a mirror frozen longer than this is detected
 LABEL_RE = re.compile(rf"{PREFIX}(\d+)")
 SHA_RE = re.compile(r"[0-9a-f]{64}")
 
 
-def write_index(releases: Path, signing_key: Path) -> dict[str, Any]:
+def write_index(releases: Path, signing_key: Path, validity_days: float | None = None) -> dict[str, Any]:
     """Sign and write ``releases/index.json`` from the registry as it is now (under its write
-    lock, so two writers cannot give one sequence twice); returns the index."""
+    lock, so two writers cannot give one sequence twice); returns the index. ``validity_days``:
+    kept as the releases folder's validity from now on (None: the one kept, else
+    :data:`VALIDITY_DAYS`)."""
     key = load_private(signing_key)
+    if validity_days is not None and not 0 < validity_days <= 3650:
+        raise NimmerError(f"index validity {validity_days} days: give a number of days in (0, 3650]")
     registry = Registry.open(releases)
     try:
         with registry.writing():
             index_id = registry.setting(ID_SETTING) or str(uuid.uuid4())
             sequence = int(registry.setting(SEQUENCE_SETTING) or 0) + 1
+            if validity_days is not None:
+                registry.set_setting(VALIDITY_SETTING, repr(float(validity_days)))
+            days = float(registry.setting(VALIDITY_SETTING) or VALIDITY_DAYS)
+            issued = datetime.now(UTC).replace(microsecond=0)
             versions = [
                 {
                     "label": v.label,
@@ -62,7 +79,8 @@ def write_index(releases: Path, signing_key: Path) -> dict[str, Any]:
                 "format": INDEX_FORMAT,
                 "index_id": index_id,
                 "sequence": sequence,
-                "issued_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                "issued_at": issued.isoformat(),
+                "expires_at": (issued + timedelta(days=days)).isoformat(),
                 "versions": versions,
                 "aliases": dict(sorted(registry.aliases().items())),
                 "newest": versions[-1]["label"] if versions else None,
@@ -110,6 +128,10 @@ def _check_shape(index: dict[str, Any], where: str) -> None:
     seq = index.get("sequence")
     if not isinstance(index.get("index_id"), str) or type(seq) is not int or seq < 1:
         raise IntegrityError(f"{where}: the index has no index_id or no positive integer sequence")
+    if _when(index.get("issued_at")) is None:
+        raise IntegrityError(f"{where}: the index's issued_at {index.get('issued_at')!r} is not a UTC time")
+    if "expires_at" in index and _when(index["expires_at"]) is None:
+        raise IntegrityError(f"{where}: the index's expires_at {index['expires_at']!r} is not a UTC time")
     versions = index.get("versions")
     if not isinstance(versions, list) or not all(
         isinstance(v, dict)
@@ -156,3 +178,27 @@ def resolve(index: dict[str, Any], selector: str, where: str) -> dict[str, Any]:
             f"give one of them, {NEWEST} or vN"
         )
     return by_label[aliases[selector]]
+
+
+def _when(value: Any) -> datetime | None:
+    """An ISO time with its UTC offset, as write_index writes it; None for anything else."""
+    if not isinstance(value, str):
+        return None
+    try:
+        at = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return at if at.tzinfo is not None else None
+
+
+def expired(index: dict[str, Any], now: datetime | None = None) -> str | None:
+    """Why a verified index may no longer be believed for what is newest (a frozen mirror keeps
+    serving it): past its ``expires_at``, or without one (signed before indexes expired); None
+    while it is valid."""
+    until = _when(index.get("expires_at"))
+    if until is None:
+        return "it has no expires_at (signed before indexes expired)"
+    now = now or datetime.now(UTC)
+    if now >= until:
+        return f"it expired at {index['expires_at']} (issued {index['issued_at']})"
+    return None

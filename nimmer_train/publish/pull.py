@@ -25,9 +25,12 @@ fetched again and its folder replaced (a repair).
 
 A mirror's releases folder (not one version's) is pulled by name through its signed index
 (``publish/index.py``, :func:`pull_from_mirror`): ``newest``, an alias or ``vN`` resolves to a
-label and the sha256 of its manifest; the index's signature is checked first, an index older than
-one this device already read from that publisher is refused, and the version's manifest must hash
-to what the index names before anything else is fetched.
+label and the sha256 of its manifest; the index's signature is checked first; then an expired
+index is refused (a frozen mirror; ``allow_expired`` for an offline copy), so is an index under
+another ``index_id`` than the one this device pinned at its first mirror pull (whatever the
+mirror: ``accept_index_id`` names a new one on purpose), and one older than an index this device
+already read; the version's manifest must hash to what the index names before anything else is
+fetched.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ import httpx
 from nimmer_train.artifacts import MANIFEST, NOFOLLOW, fsync_dir, fsync_tree, sha256_file
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import read_metadata
-from nimmer_train.publish.index import INDEX, SEEN_SETTING, read_index, resolve
+from nimmer_train.publish.index import INDEX, PIN_SETTING, SEEN_SETTING, expired, read_index, resolve
 from nimmer_train.publish.manifest import (
     FORMAT,
     SIGNATURE,
@@ -474,18 +477,22 @@ def pull_from_mirror(
     alias: str | None = "production",
     client: httpx.Client | None = None,
     allow_downgrade: bool = False,
+    allow_expired: bool = False,
+    accept_index_id: str | None = None,
 ) -> tuple[dict[str, Any], PullResult]:
     """Pull the version that ``selector`` (``newest``, an alias, ``vN``) names in the signed index
     of the mirror at ``mirror`` (its releases folder: URL or path); returns the index and the
-    pull. The index is verified, refused when older than one this device read from the same
-    mirror, and the version's manifest must be the one the index names."""
+    pull. The index is verified; refused when expired (unless ``allow_expired``), under another
+    index_id than the pinned one (unless it is ``accept_index_id``) or older than one this
+    device read; the version's manifest must be the one the index names."""
     source = Source(mirror, client)
     try:
         where = source.where(INDEX)
         hint = f"a mirror's releases folder (publish writes {INDEX} there), or give a version URL"
         index, _ = read_index(source.read(INDEX, hint), keyring, where)
         entry = resolve(index, selector, where)
-        _refuse_stale(releases, index, where)
+        _refuse_rollback(releases, index, where, accept_index_id)  # named first: the graver
+        _refuse_expired(index, where, allow_expired)
         result = pull_version(
             releases,
             source.where(entry["label"]),
@@ -502,16 +509,50 @@ def pull_from_mirror(
     return index, result
 
 
-def _refuse_stale(releases: Path, index: dict[str, Any], where: str) -> None:
-    """PullError when this device already read a later index from the same mirror (index_id): a
-    mirror serving an old, validly signed index must not roll back what newest means."""
+def _refuse_expired(index: dict[str, Any], where: str, allow: bool) -> None:
+    """PullError for an expired index (:func:`index.expired`) unless ``allow``: a mirror that
+    froze keeps serving a validly signed index while the publisher moves on."""
+    why = expired(index)
+    if why is not None and not allow:
+        raise PullError(
+            f"the mirror's index {where} (sequence {index['sequence']}) is not current: {why}; the "
+            "mirror may be frozen, serving an old index: pull from another mirror or ask the publisher "
+            "to re-sign it (nimmer versions sign-index); --allow-expired-index uses it anyway (an "
+            "offline copy); nothing was fetched"
+        )
+
+
+def _pinned(registry: Registry) -> set[str]:
+    """The index ids this device follows: the one it pinned, or (a device that pulled before
+    pins) every id it recorded a sequence for; empty before its first mirror pull."""
+    pinned = registry.setting(PIN_SETTING)
+    if pinned is not None:
+        return {pinned}
+    rows = registry.db.execute("SELECT key FROM settings WHERE key LIKE ?", (SEEN_SETTING + "%",))
+    return {str(r[0])[len(SEEN_SETTING) :] for r in rows}
+
+
+def _refuse_rollback(releases: Path, index: dict[str, Any], where: str, accept_id: str | None) -> None:
+    """PullError when the index is under another index_id than the one this device pinned (an
+    older releases folder of the same key re-served would roll ``newest`` back, and its sequence
+    is not comparable) unless ``accept_id`` names it; or when this device already read a later
+    index of that id (a stale or rolled-back mirror)."""
     if not (releases / REGISTRY_FILE).exists():
         return
     registry = Registry.open(releases)
     try:
+        pinned = _pinned(registry)
         seen = registry.setting(SEEN_SETTING + index["index_id"])
     finally:
         registry.close()
+    if pinned and index["index_id"] not in pinned and accept_id != index["index_id"]:
+        raise PullError(
+            f"the mirror's index {where} is index_id {index['index_id']} (sequence {index['sequence']}, "
+            f"issued {index.get('issued_at')}), but this device follows {', '.join(sorted(pinned))}, "
+            "pinned at its first pull from a mirror: another releases folder, or an old one re-served "
+            "to roll newest back; refused, nothing was fetched. If the publisher really moved to a new "
+            f"releases folder, pass --accept-index-id {index['index_id']}"
+        )
     if seen is not None and int(seen) > index["sequence"]:
         raise PullError(
             f"the mirror's index {where} is sequence {index['sequence']} (issued "
@@ -521,10 +562,12 @@ def _refuse_stale(releases: Path, index: dict[str, Any], where: str) -> None:
 
 
 def _record_seen(releases: Path, index: dict[str, Any]) -> None:
-    """Remember the highest index sequence read from this publisher (``_refuse_stale``)."""
+    """Pin the index's id (the first, or one accepted on purpose) and remember the highest
+    sequence read under it (``_refuse_rollback``)."""
     registry = Registry.open(releases, create=True)
     try:
         with registry.writing():
+            registry.set_setting(PIN_SETTING, index["index_id"])
             key = SEEN_SETTING + index["index_id"]
             seen = registry.setting(key)
             if seen is None or int(seen) < index["sequence"]:

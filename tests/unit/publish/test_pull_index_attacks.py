@@ -68,8 +68,8 @@ def test_an_index_with_another_index_id_cannot_roll_production_back(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The stale check is per index_id, so an index signed under a fresh index_id (another
-    releases folder of the same key) is not compared; production still never moves back."""
+    """An index signed under a fresh index_id (another releases folder of the same key) is
+    refused by the device's pinned index_id before anything else; production never moves back."""
     releases, key, trusted = mirror
     old = _index(releases)["index"]  # production v1
     device = tmp_path / "device" / "releases"
@@ -82,7 +82,7 @@ def test_an_index_with_another_index_id_cannot_roll_production_back(
         _resign(releases, key, forged)
         for selector in ("newest", "production"):
             assert _pull(device, trusted, url, "--version", selector) == 1
-            assert "older" in capsys.readouterr().err
+            assert f"is index_id {forged['index_id']}" in capsys.readouterr().err
     assert _aliases(device) == {"production": V2}
 
 
