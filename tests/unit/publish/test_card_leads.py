@@ -12,16 +12,16 @@ from tests.helpers import REPO
 
 
 def _voice() -> dict:
-    """A voice report scored from the seed set's own replies (three per register)."""
+    """A voice report scored from the seed set's own replies (six per register, one per scene)."""
     rows = [
         json.loads(line) for line in (REPO / "data/seed/teacher_replay_v1.jsonl").read_text().splitlines()
     ]
-    turns, taken = [], {}
+    turns, taken = [], set()
     for row in rows:
-        if taken.get(row["register"], 0) < 3:
-            taken[row["register"]] = taken.get(row["register"], 0) + 1
-            turns.append(GeneratedTurn(row["register"], row["response"]["content"]))
-    settings = {"turns_per_register": 3, "max_new_tokens": 160, "seed": 0, "scenes": ["s"]}
+        if (row["register"], row["scene"]) not in taken:
+            taken.add((row["register"], row["scene"]))
+            turns.append(GeneratedTurn(row["register"], row["response"]["content"], scene=row["scene"]))
+    settings = {"turns_per_register": 6, "max_new_tokens": 160, "seed": 0, "scenes": ["s"]}
     classifier = seed_classifier(REPO / "data/seed/teacher_replay_v1.jsonl")
     return score(turns, classifier, "v2", settings).summary()
 
@@ -56,6 +56,10 @@ def test_the_card_leads_with_samples_voices_epsilon_gain_and_audit_then_the_rest
     order = [
         "## Sample turns",
         "## Voice report",
+        "cluster bootstrap over the 6 scenes",
+        "**The bar** (issue 38",
+        "- [FAIL] register accuracy (all registers): 0.00 [0.00, 0.00] (goal >= 0.80)",
+        "  - [pass] replies repeating a sentence more than 2 times: 0 (goal = 0)",
         "- A.1 user-level epsilon 4.570 at delta 1e-06 over a declared population of N = 10,000 players",
         "- Federated gain of the `caste-preacher` adapter",
         "- Empirical audit: not run for this version",
@@ -70,6 +74,10 @@ def test_the_card_leads_with_samples_voices_epsilon_gain_and_audit_then_the_rest
         block = samples.split(f"- **{register}**")[1].split("- **")[0]
         assert block.count("\n  - ") == 3  # three turns of each register
     assert "2.500 -> 2.400 nats (+0.100" in text and "did not improve" not in text
+    # the voice table's figures carry their scene intervals; the bar names what fails
+    table = text[text.index("| register | turns |") : text.index("**The bar**")]
+    assert table.count(" [") >= 4 * 6 and "| **all** | 30 | 1.00 [1.00, 1.00] |" in table
+    assert "- bar: 8 of 14 goals met; FAILS: register accuracy (all registers)," in text  # seed copies
 
 
 def test_a_federated_gain_of_zero_or_less_is_said_on_the_card() -> None:
