@@ -134,7 +134,7 @@ class CrystalStore:
         types = [s.semantic_type or infer_semantic_type(s.text, s.origin) for s in specs]
         items = [_entry(s, kind, self.data_category) for s, kind in zip(specs, types, strict=True)]
         if vectors is None:
-            vectors = self.embedder.embed([s.text for s in specs])
+            vectors = self.embedder.embed([s.embed_text or s.text for s in specs])
         with self.lock:
             db = self.db(store)
             index = self.index(store)

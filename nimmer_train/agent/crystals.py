@@ -72,6 +72,7 @@ class CrystalSpec:
     memory_class: str = "working"
     source_hash: str | None = None  # what ingestion compares; the text's sha256 when None
     source_ids: tuple[str, ...] = ()  # event_uids it was made from (a dream insight's sources)
+    embed_text: str | None = None  # what its vector is made of when not ``text`` (see exchange_specs)
     entry_fields: dict[str, object] = field(default_factory=dict)
 
     def check(self) -> None:

@@ -392,34 +392,28 @@ def exchange_specs(exchange: Exchange, max_chars: int = 4000) -> list[CrystalSpe
     "[exchange part k of n, split to fit the entry limit]", each line still naming its speaker
     ("speaker (continued): ..."), all with the exchange's session and turn ids. Lone surrogates
     become U+FFFD. The speaker is the one speaker, or :data:`EXCHANGE_SPEAKER` when several
-    spoke (no one person said the text)."""
+    spoke (no one person said the text).
+
+    The vector is made of what was said, without the speaker labels (``embed_text``): the same
+    "player:" and "npc:companion:" on every crystal pulled all vectors toward one another, and
+    a first-person question toward any line of the player's (the long-conversation benchmark:
+    evidence recall@10 0.66 with the labels, 0.76 without). The labels stay in the text, so a
+    keyword search still finds a speaker's name."""
     messages = [(speaker, _repaired(str(said))) for speaker, said in exchange.messages]
     speakers = {speaker for speaker, _ in messages}
     speaker = messages[0][0] if len(speakers) == 1 else EXCHANGE_SPEAKER
-    whole = "\n".join(f"{who}: {said}" for who, said in messages)
-    if len(whole) <= max_chars:
-        texts = [whole]
+    whole = [(f"{who}: ", said) for who, said in messages]
+    if sum(len(a) + len(b) + 1 for a, b in whole) - 1 <= max_chars:
+        parts, head = [whole], ""
     else:
-        room = max_chars - len("[exchange part 999 of 999, split to fit the entry limit]\n")
-        lines = []
-        for who, said in messages:
-            size = max(1, room - len(f"{who}{CONTINUED}: "))
-            for i, piece in enumerate(_pieces(said, size)):
-                lines.append(f"{who}{CONTINUED if i else ''}: {piece}")
-        parts: list[str] = []
-        for line in lines:
-            if parts and len(parts[-1]) + 1 + len(line) <= room:
-                parts[-1] += "\n" + line
-            else:
-                parts.append(line)
-        texts = [
-            f"[exchange part {k} of {len(parts)}, split to fit the entry limit]\n{part}"
-            for k, part in enumerate(parts, start=1)
-        ]
+        parts = _split(
+            messages, max_chars - len("[exchange part 999 of 999, split to fit the entry limit]\n")
+        )
+        head = "[exchange part {k} of {n}, split to fit the entry limit]\n"
     category = {} if exchange.data_category is None else {"data_category": exchange.data_category}
     return [
         CrystalSpec(
-            text,
+            head.format(k=k, n=len(parts)) + "\n".join(label + said for label, said in part),
             "transcript",
             semantic_type="episode",
             session_id=exchange.session_id,
@@ -427,11 +421,30 @@ def exchange_specs(exchange: Exchange, max_chars: int = 4000) -> list[CrystalSpe
             speaker=speaker,
             valid_from=exchange.at,
             emotional_valence=exchange.valence,
+            embed_text="\n".join(said for _label, said in part),
             # in the in-between the store makes it clasp, whatever is asked
             entry_fields={**category, "trait_engagement": dict(exchange.traits)},
         )
-        for text in texts
+        for k, part in enumerate(parts, start=1)
     ]
+
+
+def _split(messages: list[tuple[str, str]], room: int) -> list[list[tuple[str, str]]]:
+    """Messages as (label, words) lines packed into parts of at most ``room`` characters; a
+    message too long for one part is cut at whitespace, its later pieces labelled "(continued)"."""
+    lines = []
+    for who, said in messages:
+        size = max(1, room - len(f"{who}{CONTINUED}: "))
+        for i, piece in enumerate(_pieces(said, size)):
+            lines.append((f"{who}{CONTINUED if i else ''}: ", piece))
+    parts: list[list[tuple[str, str]]] = []
+    for line in lines:
+        length = sum(len(a) + len(b) + 1 for a, b in parts[-1]) if parts else 0
+        if parts and length + len(line[0]) + len(line[1]) <= room:
+            parts[-1].append(line)
+        else:
+            parts.append([line])
+    return parts
 
 
 def index_exchanges(agent: CrystalStore, exchanges: Iterable[Exchange]) -> list[int]:

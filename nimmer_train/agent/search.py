@@ -52,6 +52,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from nimmer_train.agent.crystals import SEARCHABLE
+from nimmer_train.memory.vector_cells import VectorCells
 
 LIVE, SUPERSEDED, GONE = 0, 1, 2
 BLAS = ThreadpoolController()  # one matrix-vector product is fastest on one thread (and under load)
@@ -59,6 +60,7 @@ _STOPWORD_TEXT = """a an and are as at be by did do does for from had has have h
 its me my of on or our she so that the their them they this to was we were what when where which who
 why will with you your"""
 STOPWORDS = frozenset(_STOPWORD_TEXT.split())
+ANN_MIN_ROWS = 20_000  # from this many rows a vector search scans cells (vector_cells.py), not all
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,8 @@ class LiveIndex:
         self.pos: dict[int, int] = {}
         self._pending: list[tuple[int, np.ndarray, int, float]] = []
         self.data_version = -1
+        self.ann_min_rows = ANN_MIN_ROWS
+        self.cells: VectorCells | None = None  # trained on first search once the store is large
 
     def load(self, db: apsw.Connection) -> None:
         rows = db.execute(
@@ -114,6 +118,7 @@ class LiveIndex:
         self.states = np.array([state_of(r[2], r[3]) for r in rows], dtype=np.int8)
         self.times = np.array([r[4] for r in rows], dtype=np.float64)
         self.pos = {int(i): n for n, i in enumerate(self.ids)}
+        self.cells = None
         self.data_version = db.execute("PRAGMA data_version").fetchone()[0]
 
     def refresh(self, db: apsw.Connection) -> None:
@@ -134,6 +139,8 @@ class LiveIndex:
         self.states = np.concatenate([self.states, np.array(states, dtype=np.int8)])
         self.times = np.concatenate([self.times, np.array(times, dtype=np.float64)])
         self.pos.update({int(i): start + n for n, i in enumerate(ids)})
+        if self.cells is not None:
+            self.cells.extend(self.matrix[start:])
         self._pending.clear()
 
     def set_state(self, entry_id: int, state: int) -> None:
@@ -147,6 +154,8 @@ class LiveIndex:
         self.ids, self.matrix, self.states = self.ids[keep], self.matrix[keep], self.states[keep]
         self.times = self.times[keep]
         self.pos = {int(i): n for n, i in enumerate(self.ids)}
+        if self.cells is not None:
+            self.cells.keep(keep)
 
     def vector(self, entry_id: int) -> np.ndarray | None:
         self._flush()
@@ -163,12 +172,20 @@ class LiveIndex:
         return mask
 
     def nearest(self, query: np.ndarray, n: int, mask: np.ndarray) -> list[tuple[int, float]]:
-        """The ``n`` most similar (entry_id, cosine) among rows in ``mask``."""
+        """The ``n`` most similar (entry_id, cosine) among rows in ``mask``: an exact scan, or
+        from ``ann_min_rows`` rows on, a scan of the query's nearest cells (vector_cells.py),
+        falling back to the exact scan when those hold fewer than ``n`` rows in ``mask``."""
         self._flush()
         if not len(self.ids) or n <= 0:
             return []
+        query = query.astype(np.float32)
         with BLAS.limit(limits=1, user_api="blas"):
-            scores = self.matrix @ query.astype(np.float32)
+            rows = self._cell_rows(query)
+            if rows is not None:
+                rows = rows[mask[rows]]
+                if len(rows) >= n:
+                    return self._best(rows, self.matrix[rows] @ query, n)
+            scores = self.matrix @ query
         similarity = np.where(mask, scores, -np.inf)
         n = min(n, int(mask.sum()))
         if n == 0:
@@ -176,6 +193,20 @@ class LiveIndex:
         top = np.argpartition(-similarity, n - 1)[:n]
         top = top[np.argsort(-similarity[top], kind="stable")]
         return [(int(self.ids[i]), float(similarity[i])) for i in top]
+
+    def _cell_rows(self, query: np.ndarray) -> np.ndarray | None:
+        """The rows of the query's cells, or None below ``ann_min_rows`` (cells are trained on
+        first need and again once the rows have doubled: a few seconds at 100k, once)."""
+        if len(self.ids) < self.ann_min_rows:
+            return None
+        if self.cells is None or len(self.ids) > 2 * self.cells.trained_rows:
+            self.cells = VectorCells.train(self.matrix)
+        return self.cells.rows(query)
+
+    def _best(self, rows: np.ndarray, scores: np.ndarray, n: int) -> list[tuple[int, float]]:
+        top = np.argpartition(-scores, n - 1)[:n] if len(rows) > n else np.arange(len(rows))
+        top = top[np.argsort(-scores[top], kind="stable")]
+        return [(int(self.ids[rows[i]]), float(scores[i])) for i in top]
 
     def similarity(self, query: np.ndarray, entry_ids: list[int]) -> dict[int, float]:
         self._flush()
