@@ -115,6 +115,6 @@ def _claim(
         key_id,
         tuple(sorted(rounds)),
         done,
-        float(eps) if isinstance(eps, int | float) else None,
-        float(delta) if isinstance(delta, int | float) else None,
+        float(eps) if type(eps) in (int, float) else None,  # a bool is no epsilon
+        float(delta) if type(delta) in (int, float) else None,
     )
