@@ -339,11 +339,14 @@ def publish_federated(
     state: ServerState,
     exposure: dict[str, Any] | None = None,
     federation_id: str | None = None,
+    heldout: tuple[list[dict[str, list[int]]], int] | None = None,
 ) -> dict[str, Any]:
     """Write the aggregated adapter with its records and card; visible only when complete.
     ``exposure``: the record-level canary audit (:mod:`nimmer_train.federation.exposure_audit`);
     ``federation_id``: the id devices key their spend by (``rounds.federation_id``), published
-    with the rounds released so a device that missed the outcome message learns it from the version."""
+    with the rounds released so a device that missed the outcome message learns it from the version;
+    ``heldout``: the server's held-out rows and pad id, for the gain over the start adapter with its
+    interval (:func:`heldout_gain`; None: not measured)."""
     meta = read_metadata(start_adapter)
     data = contributed_data(settings, state)
     a1, a2 = data["tiers"]["A1_federated"], data["tiers"]["A2_anonymized"]
@@ -374,6 +377,7 @@ def publish_federated(
         "heldout_loss_after": next(
             (r["heldout_loss"] for r in reversed(state.records) if "heldout_loss" in r), None
         ),
+        "heldout_gain": heldout_gain(model, start_adapter, heldout) if heldout else None,
     }
     with atomic_dir(out) as staging:
         model.save_pretrained(staging)
@@ -389,3 +393,23 @@ def publish_federated(
             {"register": meta["register"], "base": meta["base"], **meta["federation"]},
         )
     return meta
+
+
+def heldout_gain(
+    model: Any, start_adapter: Path, heldout: tuple[list[dict[str, list[int]]], int]
+) -> dict[str, Any]:
+    """The model's adapter against the one it started from on the server's held-out rows: the
+    gain in nats per token with its paired bootstrap interval over the held-out examples
+    (:func:`nimmer_train.federation.gain.federated_gain`); the model keeps its adapter."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from nimmer_train.federation.gain import federated_gain
+    from nimmer_train.federation.wire import get_arrays, set_arrays
+
+    final = get_arrays(model)
+    set_peft_model_state_dict(model, load_file(start_adapter / "adapter_model.safetensors"))
+    start = get_arrays(model)
+    set_arrays(model, final)
+    rows, pad_id = heldout
+    return federated_gain(model, start, rows, pad_id)
