@@ -237,6 +237,7 @@ def run_federation(
                 state,
                 exposure=exposure,
                 federation_id=rounds.federation_id(setup.work),
+                heldout=(setup.heldout, setup.pad_id),  # the gain's interval (federation.gain)
             )
         )
 

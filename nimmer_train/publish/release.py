@@ -486,6 +486,7 @@ def _merged_adapter(req: PublishRequest, merged_meta: dict[str, Any] | None) -> 
         "delta": fed.get("delta"),
         "heldout_loss_before": fed.get("heldout_loss_before"),
         "heldout_loss_after": fed.get("heldout_loss_after"),
+        "heldout_gain": fed.get("heldout_gain"),  # with its interval (federation.gain); None: not measured
     }
 
 
