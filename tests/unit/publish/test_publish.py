@@ -126,7 +126,7 @@ def test_run_all_publishes_v1_and_the_federated_v2(tiny_run: Path) -> None:
         voice = version.manifest["voice_report"]
         assert voice["version"] == version.label and voice["overall"]["turns"] == 6
         assert [r["register"] for r in voice["registers"]] == ["drunk-scavenger", "hivemind-broadcast"]
-    assert "## Voice report" in card and "| goal (on a real base) |" in card
+    assert "## Voice report" in card and "**The bar**" in card
     assert "Gaussian mechanism on the sum" in privacy and "DP-SGD on the anonymised pool" in privacy
     assert "noised pool counts" in privacy and "Local DP-SGD on A.1 devices" in privacy
     # the server never learns who contributed: no id reaches the card, the manifest or the registry,
