@@ -401,6 +401,31 @@ def _sample_lines(voice: dict[str, Any] | None) -> list[str]:
     return [*lines, ""]
 
 
+def _gain_line(merged: dict[str, Any], before: float, after: float) -> str:
+    """The federated adapter against the adapter it started from on the federation's held-out
+    lines, with the paired bootstrap interval over held-out examples where it was measured; a
+    gain <= 0, or an interval reaching 0, is said as such."""
+    g = merged.get("heldout_gain")
+    if g:
+        before, after, gain = g["heldout_loss_before"], g["heldout_loss_after"], g["gain"]
+        spread = (
+            f"{g['confidence']:.0%} interval [{g['low']:+.3f}, {g['high']:+.3f}], paired bootstrap over "
+            f"{g['examples']} held-out examples, {g['tokens']} tokens"
+        )
+    else:
+        gain, spread = before - after, "no interval measured"
+    verdict = ""
+    if gain <= 0:
+        verdict = ": **the federation did not improve the adapter at this epsilon**"
+    elif g and g["low"] <= 0:
+        verdict = ": **the interval reaches 0: no gain shown at this epsilon**"
+    return (
+        f"- Federated gain of the `{merged['register']}` adapter over the adapter it started from, on "
+        f"the federation's held-out lines (synthetic player memories, not r1; mean over every token): "
+        f"{before:.3f} -> {after:.3f} nats ({gain:+.3f}; {spread}){verdict}"
+    )
+
+
 def _glance_lines(manifest: dict[str, Any], privacy: dict[str, Any]) -> list[str]:
     """The epsilon with the population it is over, the federated adapter's held-out gain (said as
     it is, zero or negative included) and the audit's result; the details under Privacy."""
@@ -417,12 +442,7 @@ def _glance_lines(manifest: dict[str, Any], privacy: dict[str, Any]) -> list[str
         )
     before, after = merged.get("heldout_loss_before"), merged.get("heldout_loss_after")
     if before is not None and after is not None:
-        gain = before - after
-        verdict = "" if gain > 0 else ": **the federation did not improve the adapter at this epsilon**"
-        lines.append(
-            f"- Federated gain of the `{merged['register']}` adapter on the federation's held-out loss: "
-            f"{before:.3f} -> {after:.3f} nats ({gain:+.3f}; no interval measured){verdict}"
-        )
+        lines.append(_gain_line(merged, before, after))
     elif merged:
         lines.append(f"- Federated gain of the `{merged['register']}` adapter: not measured")
     audit = privacy.get("audit")
