@@ -267,6 +267,7 @@ class LoraConfig:
     # matmuls of the LoRA's training and held-out evaluation: bfloat16 is autocast over float32
     # weights (the adapter is saved in float32); fast only where the device multiplies it natively
     dtype: str = "float32"  # float32 | bfloat16
+    top_layers: int | None = None  # the LoRA on the top N decoder layers only (null: all of them)
 
     def __post_init__(self) -> None:
         for name in ("rank", "alpha", "max_steps", "batch_size", "grad_accum_steps", "max_length"):
