@@ -219,6 +219,7 @@ def _sft_trainer(
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=list(target_modules),
+        layers_to_transform=top_layers(model, settings.top_layers),
         task_type="CAUSAL_LM",
     )
     trainer = SFTTrainer(
@@ -231,6 +232,20 @@ def _sft_trainer(
     )
     trainer.remove_callback(PrinterCallback)  # metrics go to MLflow, not stdout
     return trainer
+
+
+def top_layers(model: Any, count: int | None) -> list[int] | None:
+    """The indices of ``model``'s top ``count`` decoder layers (``lora.top_layers``; None: every
+    layer). Below the lowest adapted layer nothing needs a gradient, so the backward pass stops
+    there: most of a step's cost on a 30-layer base (docs/config.md#experiment-presets)."""
+    if count is None:
+        return None
+    layers = int(model.config.get_text_config().num_hidden_layers)
+    if not 1 <= count <= layers:
+        raise NimmerError(
+            f"lora.top_layers={count}: the base has {layers} decoder layers; use 1..{layers} or null"
+        )
+    return list(range(layers - count, layers))
 
 
 def latest_complete_checkpoint(folder: Path) -> Path | None:
