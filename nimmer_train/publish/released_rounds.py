@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nimmer_train.artifacts import MANIFEST
 from nimmer_train.errors import NimmerError
 from nimmer_train.publish.manifest import SIGNATURE, IntegrityError
-from nimmer_train.publish.registry import REGISTRY_FILE, Registry
+from nimmer_train.publish.registry import REGISTRY_FILE, Registry, label_of
 from nimmer_train.publish.signing import Keyring
 
 MAX_BYTES = 16 << 20  # a manifest or signature above this is refused unread (as a pull does)
+MAX_ROUND = 10**9  # a round number above this is no round (and would overflow a float)
 
 
 @dataclass(frozen=True)
@@ -91,21 +94,18 @@ def _claim(
             f"{folder / MANIFEST} (sha256 {digest[:12]}) is not the manifest registered for {label} "
             f"({recorded[:12]}); refused"
         )
-    manifest = json.loads(raw)
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise IntegrityError(f"{folder / MANIFEST} is not readable JSON; refused") from exc
     if not isinstance(manifest, dict) or manifest.get("version_label") != label:
         raise IntegrityError(f"{folder / MANIFEST} is not {label}'s manifest; refused")
+    if label != label_of(number):  # a copied registry renumbering a signed version (who released first)
+        raise IntegrityError(f"{label} is registered as number {number}, not its label's; refused")
     merged = manifest.get("merged_adapter")
-    if not isinstance(merged, dict) or not isinstance(merged.get("federation_id"), str):
+    if not isinstance(merged, dict) or merged.get("federation_id") is None:
         return None  # no federation in it, or published before versions named their federation
-    rounds = merged.get("rounds_released")
-    done = merged.get("rounds_done")
-    if (
-        not isinstance(rounds, list)
-        or not all(type(r) is int for r in rounds)
-        or not (done is None or type(done) is int)
-    ):
-        raise IntegrityError(f"{label}: merged_adapter.rounds_released/rounds_done are not round numbers")
-    eps, delta = merged.get("epsilon_a1_user_level"), merged.get("delta")
+    rounds, done, eps, delta = _checked(merged, label)
     return FederationRelease(
         merged["federation_id"],
         label,
@@ -113,8 +113,49 @@ def _claim(
         str(manifest.get("version_id")),
         digest,
         key_id,
+        rounds,
+        done,
+        eps,
+        delta,
+    )
+
+
+def _number(value: Any, low: float, high: float, finite: bool) -> bool:
+    """A JSON number (not a bool) in [low, high]; NaN never, infinity only when not ``finite``."""
+    if type(value) not in (int, float) or (isinstance(value, float) and math.isnan(value)):
+        return False
+    if finite and isinstance(value, float) and math.isinf(value):
+        return False
+    return low <= value <= high
+
+
+def _checked(
+    merged: dict[str, Any], label: str
+) -> tuple[tuple[int, ...], int | None, float | None, float | None]:
+    """(rounds released, rounds_done, epsilon, delta) of a signed merged_adapter, or IntegrityError
+    naming the field: a figure that is not one would make a device show less spend than it has
+    (``max(0.0, nan)`` is 0.0) or break every later ``nimmer contributions``."""
+    fid, rounds, done = merged["federation_id"], merged.get("rounds_released"), merged.get("rounds_done")
+    eps, delta = merged.get("epsilon_a1_user_level"), merged.get("delta")
+    where = f"{label}: merged_adapter"
+    if not isinstance(fid, str) or not 0 < len(fid) <= 200:
+        raise IntegrityError(f"{where}.federation_id {fid!r:.60} is not a federation id; refused")
+    if not isinstance(rounds, list) or not all(type(r) is int and 1 <= r <= MAX_ROUND for r in rounds):
+        raise IntegrityError(
+            f"{where}.rounds_released {rounds!r:.60} is not a list of round numbers 1..{MAX_ROUND}; refused"
+        )
+    if done is not None and not (type(done) is int and max(rounds, default=0) <= done <= MAX_ROUND):
+        raise IntegrityError(
+            f"{where}.rounds_done {done!r:.60} is not a round number from its last released round to "
+            f"{MAX_ROUND}; refused"
+        )
+    if eps is not None and not _number(eps, 0.0, math.inf, finite=False):
+        raise IntegrityError(f"{where}.epsilon_a1_user_level {eps!r:.60} is not an epsilon >= 0; refused")
+    if delta is not None and not _number(delta, 0.0, 1.0, finite=True):
+        raise IntegrityError(f"{where}.delta {delta!r:.60} is not a delta in [0, 1]; refused")
+    return (
         tuple(sorted(rounds)),
         done,
-        float(eps) if type(eps) in (int, float) else None,  # a bool is no epsilon
-        float(delta) if type(delta) in (int, float) else None,
+        None if eps is None else float(eps),
+        None if delta is None else float(delta),
     )
