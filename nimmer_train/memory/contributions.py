@@ -16,8 +16,10 @@ device). Kinds of entries:
 - ``published``: a signed published version's word on a federation this device trained in
   (recorded by ``nimmer contributions`` after the manifest's signature verified:
   ``publish/released_rounds.py``): its label, version id and manifest sha256, the rounds it
-  released, the federation's last round in it and its A.1 epsilon with delta. It outranks the
-  server's word: a device that left early (revoked, offline) never hears the outcome message;
+  released, the federation's last round in it and its A.1 epsilon with delta. It settles the
+  rounds the server never spoke of (a device that left early, revoked or offline, never hears
+  the outcome message), and never lowers what the server said: a round the server told released
+  stays released, and the server's figures stay in the spend;
 - ``refused``: a round this device was asked into and refused (consent revoked or not A.1);
 - ``consent_granted`` and ``consent_revoked``: the player's consent changing (from then on the
   device takes part, or shares nothing);
@@ -122,22 +124,24 @@ def published(log: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]
     return out
 
 
-def _published_done(log: list[dict[str, Any]]) -> dict[str, float]:
-    """Federation id -> the last round a published version of it covers (its ``rounds_done``;
-    infinite when the manifest does not say: every round of the federation)."""
-    done: dict[str, float] = {}
+def _published_done(log: list[dict[str, Any]]) -> dict[str, int]:
+    """Federation id -> the last round a published version of it covers (its ``rounds_done``; its
+    last released round when the manifest does not say: what came after is not known from it)."""
+    done: dict[str, int] = {}
     for e in log:
         if e["kind"] == "published":
-            last = float("inf") if e.get("rounds_done") is None else float(e["rounds_done"])
-            done[str(e["federation_id"])] = max(done.get(str(e["federation_id"]), 0.0), last)
+            released = [int(r) for r in e["rounds_released"]]
+            last = max(released, default=0) if e.get("rounds_done") is None else int(e["rounds_done"])
+            done[str(e["federation_id"])] = max(done.get(str(e["federation_id"]), 0), last)
     return done
 
 
 def release_states(log: list[dict[str, Any]]) -> dict[tuple[str, int], str]:
-    """(federation key, round) -> whether that round was released: first as a signed published
-    version says (``published``: released in it, or not released when the version covers the
-    round and leaves it out), else as the server told this device, in a later round's
-    instructions or in the outcome it sends when the federation ends. A round neither has spoken
+    """(federation key, round) -> whether that round was released: released when a signed
+    published version released it (``published``); else as the server told this device, in a
+    later round's instructions or in the outcome it sends when the federation ends (a version
+    never demotes a round the server released: its update went out in the next global model);
+    else not released when a version covers the round and leaves it out. A round none has spoken
     of yet is pending; one logged before federation ids (and so before the server told
     outcomes) is not recorded."""
     done: dict[str, int] = {}
@@ -156,14 +160,14 @@ def release_states(log: list[dict[str, Any]]) -> dict[tuple[str, int], str]:
         r = int(e["round"])
         if (key, r) in in_version:
             states[(key, r)] = RELEASED
-        elif r <= covered.get(key, 0):
-            states[(key, r)] = NOT_RELEASED
         elif key.startswith("legacy:"):
             states[(key, r)] = UNRECORDED
-        elif r > done.get(key, 0):
-            states[(key, r)] = PENDING
-        else:
+        elif r <= done.get(key, 0):  # the server's word
             states[(key, r)] = NOT_RELEASED if r in unreleased.get(key, set()) else RELEASED
+        elif r <= covered.get(key, 0):
+            states[(key, r)] = NOT_RELEASED
+        else:
+            states[(key, r)] = PENDING
     return states
 
 
@@ -172,12 +176,13 @@ def spend(folder: Path) -> dict[str, Any]:
     were released, not released or are pending; ``epsilon``: the federation's user-level (A.1)
     epsilon after the last released round this device trained in (or the server's final figure,
     when it told one; a log from before release states counts every round as released), with
-    delta; a signed published version's figure (``published``) replaces the rounds' own for the
-    rounds it covers, and names the version (``released_in``); ``epsilon_if_pending_released``:
+    delta; a signed published version's figure (``published``) counts beside the server's and the
+    released rounds' own (the largest stands: a version never makes the spend smaller than what
+    the server said) and names the version (``released_in``); ``epsilon_if_pending_released``:
     what it becomes should the pending rounds be released; ``epsilon_local``: this device's own
     record-level epsilon of local DP-SGD (one accountant for all federations)."""
     log = entries(folder)
-    states, in_version, covered = release_states(log), published(log), _published_done(log)
+    states = release_states(log)
     out: dict[str, dict[str, Any]] = {}
     for key, e in zip(federation_keys(log), log, strict=True):
         if key is None or e["kind"] not in ("round", "outcome", "published"):
@@ -193,8 +198,8 @@ def spend(folder: Path) -> dict[str, Any]:
                 f["epsilon"] = max(f["epsilon"] or 0.0, float(e["epsilon"]))
                 f["delta"] = e.get("delta", f.get("delta"))
             continue
-        if e["kind"] == "outcome":  # the server's last word, unless a signed version covers it
-            if e.get("epsilon") is not None and int(e.get("rounds_done", 0)) > covered.get(key, 0):
+        if e["kind"] == "outcome":  # the server's last word: a floor, whatever a version says
+            if e.get("epsilon") is not None:
                 f["epsilon"] = max(f["epsilon"] or 0.0, float(e["epsilon"]))
                 f["delta"] = e.get("delta", f.get("delta"))
             continue
@@ -202,8 +207,8 @@ def spend(folder: Path) -> dict[str, Any]:
         f["rounds"] += 1
         f[state] = f.get(state, 0) + 1
         f.update(last_round=e["round"], epsilon_local=e.get("epsilon_local"), delta=e.get("delta"))
-        signed = (key, int(e["round"])) in in_version  # its figure is the version's
-        if state in (RELEASED, UNRECORDED) and e.get("epsilon") is not None and not signed:
+        # a released round's own figure (the ledger's accountant, after that round) is a floor
+        if state in (RELEASED, UNRECORDED) and e.get("epsilon") is not None:
             f["epsilon"] = max(f["epsilon"] or 0.0, float(e["epsilon"]))
         if state == PENDING and e.get("epsilon") is not None:
             f["epsilon_if_pending_released"] = float(e["epsilon"])

@@ -134,9 +134,10 @@ def test_a_signed_version_outranks_the_servers_word_and_covers_only_its_rounds(t
     assert "round released in nimmerworld-base-v2 (signed; its epsilon 1.3" in lines[2]
     assert "if this round is released" in lines[3]
     f = spend(tmp_path)["f"]
-    # the version's figure for the rounds it covers, not the device's per-round estimate (1.9)
+    # round 3 is released, so its own figure (1.9, the ledger's accountant after it) is a floor:
+    # a version's lower figure (1.3) never shrinks the spend (test_signed_version_never_lowers_...)
     assert (f["epsilon"], f["released_in"], f["epsilon_if_pending_released"]) == (
-        1.3,
+        1.9,
         "nimmerworld-base-v2",
         2.5,
     )
