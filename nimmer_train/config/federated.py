@@ -411,6 +411,12 @@ class PrivacySweepConfig:
     # show a failure (issue 43); run where N is one of the populations. 0.2 is about the smallest
     # epsilon Opacus's RDP accountant reaches (z = 7.7 at q = 0.1, T = 10: 3.6x epsilon 1's noise)
     control_cells: list[str] = field(default_factory=lambda: ["0.2@1000"])
+    # > 0: start from a fresh LoRA of this rank (B = 0: the base's own outputs) on the top
+    # start_layers layers' start_targets instead of the federated register's adapter; its size
+    # sets the noise's norm and how far back a client's backward pass runs (the real base's table)
+    start_rank: int = 0
+    start_layers: int = 2
+    start_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
 
     def __post_init__(self) -> None:
         if not self.epsilons or any(e <= 0 for e in self.epsilons):
@@ -425,6 +431,11 @@ class PrivacySweepConfig:
             raise ConfigError("privacy_sweep.rounds", "must be >= 1")
         if self.seeds < 1:
             raise ConfigError("privacy_sweep.seeds", "must be >= 1 (runs per cell)")
+        if self.start_rank < 0 or self.start_layers < 1 or not self.start_targets:
+            raise ConfigError(
+                "privacy_sweep.start_rank",
+                "start_rank >= 0 (0: the register's adapter), start_layers >= 1, start_targets non-empty",
+            )
         for spec in self.control_cells:
             eps, _, n = spec.partition("@")
             try:
