@@ -16,13 +16,18 @@ Three query paths, over the same indexed crystals:
 Evidence recall@k: the share of all evidence turns (a multi-hop question has two) found in the
 top k; session hit@k: the share of questions with a top-k hit in one of their evidence sessions.
 Goal (issue 40): hybrid evidence recall@10 >= 0.70, session hit@10 >= 0.95, search p95 <= 20 ms
-at 100k crystals. ``--smoke``: one small conversation, 2k crystals for latency.
+at 100k crystals. Weights were tuned on seeds 0-4 (the ``dev`` figures); the headline figures
+and the ratios are the held-out seeds 100-104, which no tuning saw. The latency runs read the
+machine's load average beside them (a shared 2-core machine: say it with the figure). From 20k
+crystals the vector side scans the query's k-means cells (memory/vector_cells.py), not every row.
+``--smoke``: one small conversation, 2k crystals for latency.
 
 python -m benchmarks.bench_conversation_memory [--smoke]
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +44,8 @@ from nimmer_train.voice.prompt_dsl import PLAYER
 
 PATHS = ("vector", "hybrid", "turn")
 KS = (1, 5, 10)
+DEV_SEEDS = range(5)  # what the weights were tuned on
+HELD_OUT_SEEDS = range(100, 105)  # what the figures are reported on
 
 
 def indexed(embedder, dialogue: Dialogue, folder: Path) -> AgentMemory:  # noqa: ANN001 - an Embedder
@@ -130,25 +137,32 @@ def measure(
     started = time.perf_counter()
     rng = np.random.default_rng(0)
     if smoke:
-        figures: dict[str, object] = quality(embedder, [0], 4, 10)
+        figures: dict[str, object] = quality(embedder, [100], 4, 10)
         figures.update(latency(2000, 20, rng))
-        big = 2000
+        sizes: tuple[int, ...] = (2000,)
     else:
-        figures = quality(embedder, list(range(seeds)), sessions, per_session)
-        for n in (10_000, 100_000):
-            figures.update(latency(n, 200, rng))
-        big = 100_000
+        figures = quality(embedder, list(HELD_OUT_SEEDS)[:seeds], sessions, per_session)
+        dev = quality(embedder, list(DEV_SEEDS)[:seeds], sessions, per_session)
+        figures.update({f"dev_{key}": value for key, value in dev.items()})
+        sizes = (10_000, 100_000)
+    for n in sizes:
+        figures[f"load_average_before_{n}"] = os.getloadavg()[0]
+        figures.update(latency(n, 20 if smoke else 200, rng))
+        figures[f"load_average_after_{n}"] = os.getloadavg()[0]
+    figures["cpus"] = os.cpu_count() or 0
     figures["total_s"] = time.perf_counter() - started
     for path in PATHS:
-        print(f"\n{path}:\n{table(figures, path)}")  # type: ignore[arg-type]
+        print(f"\n{path} (held-out seeds):\n{table(figures, path)}")  # type: ignore[arg-type]
+    big = sizes[-1]
     return {
         "hybrid_recall_at_10_over_goal_ratio": figures["hybrid_all_recall_at_10"] / 0.70,  # type: ignore[operator]
         "hybrid_session_hit_at_10_over_goal_ratio": figures["hybrid_all_session_hit_at_10"] / 0.95,  # type: ignore[operator]
         "hybrid_over_vector_recall_at_10_ratio": figures["hybrid_all_recall_at_10"]  # type: ignore[operator]
         / max(1e-9, figures["vector_all_recall_at_10"]),  # type: ignore[operator]
         "search_p95_over_goal_ratio": figures[f"search_{big}_p95_ms"] / 20.0,  # type: ignore[operator]
-        "goal": "hybrid evidence recall@10 >= 0.70 and session hit@10 >= 0.95 (ratios over goal >= 1); "
-        "memory_search p95 <= 20 ms at 100k crystals (search_p95_over_goal_ratio <= 1)",
+        "goal": "hybrid evidence recall@10 >= 0.70 and session hit@10 >= 0.95 on held-out seeds (ratios "
+        "over goal >= 1); memory_search p95 <= 20 ms at 100k crystals (search_p95_over_goal_ratio <= 1; "
+        "read it with load_average_*: the machine is shared)",
         **figures,
     }
 

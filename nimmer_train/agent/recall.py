@@ -26,6 +26,7 @@ from nimmer_train.agent.search import (
     named_days,
     recency,
     weighted,
+    without_days,
 )
 from nimmer_train.artifacts import NOFOLLOW
 from nimmer_train.errors import NimmerError
@@ -109,14 +110,16 @@ def _scored(
     include_expired: bool,
     use_text: bool,
 ) -> list[Hit]:
-    """One store's candidates (by vector and by keyword), fused and weighted; a candidate counts
-    when its cosine reaches ``min_score`` or the keywords found it."""
+    """One store's candidates (by vector, by keyword and from a day the query names), fused and
+    weighted; a candidate counts when its cosine reaches ``min_score`` or the query named it (a
+    keyword, or the day it was said: a row of that day had no cosine and fell to ``min_score``)."""
     db, index = agent.db(store), agent.index(store)
     mask = index.mask(include_superseded, include_expired)
     by_vector = index.nearest(q, w.candidates * max_results, mask)
     n_text = w.text_candidates * max_results
     by_text = keyword_ranked(db, index, query, n_text, mask, w.text_min_idf_share) if use_text else []
-    dated = dated_ranked(index, q, named_days(query, now), n_text, mask) if w.date > 0 else []
+    days = named_days(query, now) if w.date > 0 else []
+    dated = dated_ranked(index, _day_vector(agent, query, q), days, n_text, mask) if days else []
     fused = fuse(by_vector, by_text, w, dated)
     if w.bridge > 0 and use_text and fused:
         bridged = _bridged(db, index, query, fused, n_text, mask, w)
@@ -124,7 +127,7 @@ def _scored(
         for n, (entry_id, strength) in enumerate(bridged, start=1):
             fused[entry_id] = fused.get(entry_id, 0.0) + w.bridge * strength * place / (w.rrf_k + n)
         by_text = [*by_text, *bridged]
-    keyword_hits = {i for i, _ in by_text}
+    keyword_hits = {i for i, _ in by_text} | {i for i, _ in dated}
     sims = dict(by_vector)
     sims.update(index.similarity(q, [i for i in keyword_hits if i not in sims]))
     rows = (
@@ -151,6 +154,13 @@ def _scored(
         if sims.get(entry_id, 0.0) >= min_score or entry_id in keyword_hits:
             hits.append((score, sims.get(entry_id, 0.0), store, entry_id))
     return hits
+
+
+def _day_vector(agent: CrystalStore, query: str, q: np.ndarray) -> np.ndarray:
+    """The vector that ranks a named day's rows: the query's words without the day (``q`` when
+    nothing else is left)."""
+    rest = without_days(query)
+    return agent.embedder.embed([rest])[0] if rest and rest != query else q
 
 
 _NAME = re.compile(r"\b[A-Z][a-z]{2,}\b")

@@ -315,6 +315,14 @@ def named_days(query: str, now: float) -> list[tuple[float, float]]:
     return days
 
 
+def without_days(query: str) -> str:
+    """``query`` less the days it names ("What did I do on 8 May 2027?" -> "What did I do on?"):
+    the day selects the rows, the rest of the words rank them (the date's own words pulled the
+    vector toward any line of small talk)."""
+    rest = re.sub(r"\s+", " ", _MONTH_DAY.sub(" ", _DAY_MONTH.sub(" ", query))).strip()
+    return re.sub(r"\s+(?=[?.!,;])", "", rest)
+
+
 def dated_ranked(
     index: LiveIndex, query_vector: np.ndarray, days: list[tuple[float, float]], n: int, mask: np.ndarray
 ) -> list[tuple[int, float]]:

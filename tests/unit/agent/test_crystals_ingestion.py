@@ -19,6 +19,8 @@ from nimmer_train.agent.ingestion import (
     TranscriptIndexer,
     WorkspaceWatcher,
     chunk_markdown,
+    exchange_specs,
+    index_exchanges,
     ingest_file,
     ingest_workspace,
 )
@@ -587,3 +589,22 @@ def test_without_player_memory_exchanges_are_still_indexed(tmp_path: Path) -> No
     finally:
         indexer.close()
         agent.close()
+
+
+def test_an_exchange_is_embedded_by_what_was_said_without_the_speaker_labels(tmp_path: Path) -> None:
+    """The same "player:" / "npc:..." labels on every exchange pulled all vectors together
+    (benchmarks/bench_conversation_memory.py); the stored text keeps them, the vector does not,
+    and an exchange split to fit the entry limit is embedded part by part the same way."""
+    embedder = CountingEmbedder()
+    agent = agent_memory(tmp_path, Clock(), embedder)
+    exchange = Exchange("s1", ("t1",), (("player", "my sister is Greta"), ("npc:companion", "noted")), 1.8e9)
+    index_exchanges(agent, [exchange])
+    assert embedder.texts == ["my sister is Greta\nnoted"]
+    (crystal,) = agent.crystals()
+    assert crystal.text == "player: my sister is Greta\nnpc:companion: noted"
+    long = Exchange("s1", ("t2",), (("player", "word " * 300), ("npc:companion", "aye " * 300)), 1.8e9)
+    parts = exchange_specs(long, max_chars=1000)
+    assert len(parts) > 2 and all(p.text.startswith("[exchange part") for p in parts)
+    assert all(p.embed_text and "player" not in p.embed_text and "npc:" not in p.embed_text for p in parts)
+    assert all(len(p.text) <= 1000 for p in parts)
+    agent.close()

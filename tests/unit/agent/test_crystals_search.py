@@ -7,11 +7,20 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from nimmer_train.agent.agent_memory import AgentMemory
 from nimmer_train.agent.crystals import CrystalSpec, supersede
-from nimmer_train.agent.search import SUPERSEDED, SearchWeights, fts_query, fuse, weighted
+from nimmer_train.agent.search import (
+    SUPERSEDED,
+    LiveIndex,
+    SearchWeights,
+    fts_query,
+    fuse,
+    weighted,
+    without_days,
+)
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.db import connect
 from nimmer_train.memory.embedding import SentenceEmbedder
@@ -270,4 +279,41 @@ def test_entries_pruned_by_the_player_store_leave_search(tmp_path: Path) -> None
     agent.memory.delete([gone])  # issue 5's pruning path, on the same connection
     assert [h["text"] for h in agent.memory_search("mill wheel", min_score=-1)] == ["the mill pond froze"]
     assert agent.db("primary").execute("SELECT count(*) FROM crystals").fetchone()[0] == 1  # cascade
+    agent.close()
+
+
+def test_a_large_store_searches_by_cells_and_still_finds_new_and_only_live_rows() -> None:
+    """From ``ann_min_rows`` rows the live index scans the query's cells (vector_cells.py): the
+    planted nearest row is found, a row added after the cells were trained is found at once, and
+    a superseded row is never returned."""
+    rng = np.random.default_rng(0)
+    centres = rng.standard_normal((50, 384)).astype(np.float32)
+    rows = centres[rng.integers(0, 50, 4000)] + 0.6 * rng.standard_normal((4000, 384)).astype(np.float32)
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    index = LiveIndex()
+    index.ann_min_rows = 1000
+    for i, v in enumerate(rows, start=1):
+        index.add(i, v)
+    mask = index.mask(False, False)
+    q = rows[123]
+    assert index.nearest(q, 5, mask)[0][0] == 124
+    assert index.cells is not None and len(index.cells.rows(q)) < len(rows) / 2
+    index.add(9999, -q)
+    assert index.nearest(-q, 1, index.mask(False, False))[0][0] == 9999
+    index.set_state(124, SUPERSEDED)
+    assert 124 not in {i for i, _ in index.nearest(q, 10, index.mask(False, False))}
+    assert index.nearest(q, 1, index.mask(True, False))[0][0] == 124
+
+
+def test_a_named_day_selects_rows_and_the_rest_of_the_words_rank_them(tmp_path: Path) -> None:
+    """The day a query names is taken out of the words that rank that day's rows, and a row of
+    that day passes ``min_score`` even with a low cosine (the query asked for the day)."""
+    assert without_days("What did I do on 8 May 2027?") == "What did I do on?"
+    assert without_days("what happened May 8th, 2027 at the mill") == "what happened at the mill"
+    day = 1_809_734_400.0  # 8 May 2027 00:00 UTC
+    agent = agent_memory(tmp_path, Clock(day + 30 * 86400))
+    agent.add([CrystalSpec("zebra quartz lantern", "note", valid_from=day + 3600)])
+    agent.add([CrystalSpec("what did I do on", "note", valid_from=day - 86400)])
+    hits = agent.memory_search("What did I do on 8 May 2027?", 2, 0.5, record_access=False)
+    assert [h["text"] for h in hits][:1] == ["zebra quartz lantern"]
     agent.close()
