@@ -252,3 +252,71 @@ def test_the_window_and_the_stack_fit_the_rings_context_on_its_tokenizer(
     assert all(n + 24 <= model.context_tokens for n, _ in ring.sizes)
     windows = [w for _, w in ring.sizes]
     assert min(windows[1:]) >= 2 and windows[-1] < 2 * 13  # history shown (whole turns), and it slid
+
+
+def test_two_processes_speaking_for_one_npc_keep_every_line_once_and_corrupt_nothing(tmp_path: Path) -> None:
+    """Two real processes run NpcRuntime on one player folder (primary.sqlite and
+    conversation.sqlite) for the same NPC at once. What happens: both are answered at every turn;
+    the turns interleave in commit order, each whole; every line is in primary exactly once (a
+    write that met the other process's lock waits as pending and is retried, by either process);
+    both files pass SQLite's integrity check."""
+    code = textwrap.dedent(
+        """
+        import json, sys
+        from pathlib import Path
+        from nimmer_train.memory.sync import open_player
+        from nimmer_train.runtime.conversation import Conversations
+        from nimmer_train.runtime.rings import RingReply, word_count
+        from nimmer_train.runtime.turn import NpcRuntime, TurnRequest
+        from nimmer_train.voice.prompt_dsl import render_compact
+        from nimmer_train.voice.registers import load_catalogue
+        from tests.helpers.memory import HashEmbedder
+
+        class Ring:
+            name, local, constrained, context_tokens, count = "A", True, False, None, staticmethod(word_count)
+            def render(self, prompt, register):
+                return render_compact(prompt)
+            def speak(self, prompt, register, name, knobs):
+                said = f"{sys.argv[2]} answer {len(prompt.conversation)}."
+                return RingReply(json.dumps({"utterance": said}), "A")
+
+        folder, me = Path(sys.argv[1]), sys.argv[2]
+        catalogue = load_catalogue()
+        memory, _ = open_player(folder, HashEmbedder())
+        runtime = NpcRuntime(catalogue, {"casual": Ring()}, memory=memory, registers=["drunk-scavenger"],
+                             conversations=Conversations(folder))
+        traits = catalogue.get("drunk-scavenger").traits
+        for i in range(12):
+            turn = runtime.speak(TurnRequest("oran", traits, f"{me} says line {i}.", "answer", "dusk"))
+            assert turn.reply["utterance"].startswith(me), turn.reply
+        for _ in range(20):  # what still waits (the other process held primary) is written now
+            if not runtime.retry_memory():
+                break
+        runtime.conversations.close()
+        memory.close()
+        """
+    )
+    folder = tmp_path / "p"
+    open_player(folder, HashEmbedder())[0].close()  # the player's folder exists (as a game creates it)
+    root = Path(__file__).resolve().parents[3]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(folder), n], cwd=root) for n in ("one", "two")]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+
+    store = Conversations(folder)
+    memory, _ = open_player(folder, HashEmbedder())
+    try:
+        rows = store.db.execute(
+            "SELECT turn, speaker, text, uid, written FROM lines ORDER BY turn, id"
+        ).fetchall()
+        assert integrity_ok(store.db) and integrity_ok(memory.primary)
+        assert len(rows) == 48 and sorted({r[0] for r in rows}) == list(range(1, 25))
+        for turn in range(1, 25):  # each turn whole: the player's line, then its own answer
+            (_, s1, said, _, _), (_, s2, answer, _, _) = [r for r in rows if r[0] == turn]
+            assert (s1, s2) == (PLAYER, NPC) and said.split()[0] == answer.split()[0]
+        assert all(written == 1 for *_, written in rows) and store.pending() == []
+        texts = [e.text for e in memory.entries()]
+        assert sorted(texts) == sorted(text for _, _, text, _, _ in rows)  # each line once, none lost
+        assert all(memory.has(uid) for _, _, _, uid, _ in rows)
+    finally:
+        store.close()
+        memory.close()
