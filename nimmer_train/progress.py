@@ -8,10 +8,12 @@ the ones the tracking store gets.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from tqdm import tqdm
@@ -19,6 +21,7 @@ from tqdm import tqdm
 log = logging.getLogger("nimmer_train.progress")
 
 MetricLogger = Callable[[dict[str, float], int], None]
+_shown = [-float("inf")]  # perf_counter of the latest progress line or bar update, any Progress
 
 
 def _duration(seconds: float) -> str:
@@ -49,6 +52,7 @@ class Progress:
         for key in ("train_loss", "val_loss", "tokens_per_s"):
             if metrics and key in metrics:
                 self.figures[key] = float(metrics[key])
+        _shown[0] = time.perf_counter()
         if self.bar is not None:
             self.bar.n = step
             self.bar.set_postfix_str(self._figures(), refresh=False)
@@ -94,3 +98,41 @@ def with_progress(logger: MetricLogger, progress: Progress) -> MetricLogger:
         progress.update(step, metrics)
 
     return log_and_show
+
+
+def _stage_line(label: str, elapsed: float, expected: float | None, after: float | None) -> str:
+    if expected is None:
+        return f"{label}: {_duration(elapsed)} in (no earlier run to estimate the time left from)"
+    left = f"ETA {_duration(expected - elapsed)}" if elapsed < expected else "ETA any moment"
+    whole = f"; the run's ETA {_duration(max(expected - elapsed, 0) + after)}" if after else ""
+    return f"{label}: {_duration(elapsed)} in, {left} (it took {_duration(expected)} before){whole}"
+
+
+@contextlib.contextmanager
+def stage_watch(
+    label: str,
+    expected_s: float | None,
+    after_s: float | None = None,
+    quiet_s: float = 10.0,
+    every_s: float = 30.0,
+) -> Iterator[None]:
+    """While a stage runs: once it has run ``quiet_s`` and then every ``every_s``, a progress line
+    with the time spent and the ETA from ``expected_s`` (what the stage took before; None: time
+    spent only) and the whole run's from ``after_s`` (what the stages after it took), unless a
+    :class:`Progress` of the stage's own (steps, tokens/s, ETA) showed a line in that time."""
+    started, done = time.perf_counter(), threading.Event()
+
+    def watch() -> None:
+        wait = quiet_s
+        while not done.wait(wait):
+            now, wait = time.perf_counter(), every_s
+            if now - max(_shown[0], started) >= min(every_s, now - started):
+                log.info("%s", _stage_line(label, now - started, expected_s, after_s))
+
+    thread = threading.Thread(target=watch, name=f"progress {label}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=1.0)

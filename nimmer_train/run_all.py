@@ -34,13 +34,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import MANIFEST
+from nimmer_train.artifacts import MANIFEST, write_json_atomic
 from nimmer_train.base.build import BaseResult
 from nimmer_train.base.stage import build_base_stage
 from nimmer_train.config import Config
 from nimmer_train.corpus.ingest import IngestResult
 from nimmer_train.corpus.stage import ingest_stage
 from nimmer_train.errors import NimmerError
+from nimmer_train.progress import stage_watch
 from nimmer_train.publish.listing import print_versions
 from nimmer_train.synth.stage import synthesize_stage
 from nimmer_train.synth.synthesize import SynthResult
@@ -67,6 +68,7 @@ class RunAllResult:
 
 
 QUICK = "make demo EXPERIMENT=tiny"  # the scratch preset: every stage in minutes, no wheel needed
+FIRST_RUN: dict[str, dict[str, float]] = {}  # estimated stage seconds by experiment (stage_times)
 REAL_BASE_MEMORY_GIB = 6.0  # a pretrained base (SmolLM2-135M): training, the federation's nodes, serving
 
 
@@ -112,13 +114,19 @@ def run_all(cfg: Config) -> RunAllResult:
     from nimmer_train.runtime.voice_eval import candidate_report
 
     speak, seconds = None, {}
+    stages = _stages(cfg)
+    before = stage_times(cfg)
 
     def timed(name: str, stage: Callable[[], Any]) -> Any:
-        started = time.perf_counter()
+        started, rest = time.perf_counter(), stages[stages.index(name) + 1 :]
+        after = sum(before[n] for n in rest) if all(n in before for n in rest) else None
+        label = f"run_all {name} ({stages.index(name) + 1}/{len(stages)})"
         try:
-            return stage()
+            with stage_watch(label, before.get(name), after):
+                return stage()
         finally:
             seconds[name] = time.perf_counter() - started
+            _record_time(cfg, name, seconds[name])
 
     with tracking.stage_run(cfg, "run_all", "run_all"):
         corpus = timed("ingest", lambda: ingest_stage(cfg, pipeline="run_all"))
@@ -145,6 +153,42 @@ def run_all(cfg: Config) -> RunAllResult:
         if published and published.versions and cfg.runtime.enabled:  # speak through what was published
             speak = timed("speak", lambda: speak_demo(cfg, pipeline="run_all"))
     return RunAllResult(corpus, synth, base, loras, federation, published, speak, seconds)
+
+
+def _stages(cfg: Config) -> list[str]:
+    """The stages run_all will run for ``cfg``, in order."""
+    stages = ["ingest", "synthesize", "build_base", "train_loras"]
+    stages += ["federate"] if cfg.federated.enabled else []
+    stages += ["publish"] if cfg.publish.enabled else []
+    return stages + (["speak"] if cfg.publish.enabled and cfg.runtime.enabled else [])
+
+
+TIMES = "run_all_seconds.json"  # in paths.artifacts: what each stage took when it last did work
+
+
+def stage_times(cfg: Config) -> dict[str, float]:
+    """What each stage of this experiment took the last time it did work (over 10 s: a stage that
+    found its output takes less), which the progress lines' ETAs are estimated from; the demo's
+    first run on a quiet 2-core machine as estimated in docs/config.md#experiment-presets where
+    none was recorded."""
+    try:
+        recorded = json.loads((cfg.paths.artifacts_dir() / TIMES).read_text()).get(cfg.experiment_name, {})
+    except (OSError, ValueError):
+        recorded = {}
+    return {**FIRST_RUN.get(cfg.experiment_name, {}), **recorded}
+
+
+def _record_time(cfg: Config, stage: str, seconds: float) -> None:
+    if seconds <= 10:
+        return
+    path = cfg.paths.artifacts_dir() / TIMES
+    try:
+        times = json.loads(path.read_text())
+    except (OSError, ValueError):
+        times = {}
+    times.setdefault(cfg.experiment_name, {})[stage] = round(seconds, 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, times)
 
 
 def _duration(seconds: float) -> str:

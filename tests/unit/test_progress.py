@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import logging
+import re
+import time
 
-from nimmer_train.progress import Progress, with_progress
+from nimmer_train.progress import Progress, stage_watch, with_progress
 
 
 class Terminal(io.StringIO):
@@ -42,3 +44,25 @@ def test_a_terminal_gets_a_bar() -> None:
     progress.close()
     assert "build_base" in terminal.getvalue() and "20/40" in terminal.getvalue()
     assert "loss 3.500" in terminal.getvalue()
+
+
+def test_a_stage_without_steps_gets_lines_with_its_eta_and_the_runs(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="nimmer_train.progress"):
+        with stage_watch("run_all federate (5/7)", expected_s=120.0, after_s=300.0, quiet_s=0.05, every_s=60):
+            time.sleep(0.5)
+        with stage_watch("run_all speak (7/7)", expected_s=None, quiet_s=0.05, every_s=60):
+            time.sleep(0.5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    eta = r"run_all federate \(5/7\): \d+s in, ETA 1m\d\ds \(it took 2m00s before\); the run's ETA 6m\d\ds"
+    assert re.fullmatch(eta, lines[0]), lines[0]
+    blind = r"run_all speak \(7/7\): \d+s in \(no earlier run to estimate the time left from\)"
+    assert re.fullmatch(blind, lines[1]), lines[1]
+
+
+def test_a_stage_whose_own_progress_shows_gets_no_second_line(caplog) -> None:
+    watch = stage_watch("run_all build_base (3/7)", expected_s=60.0, quiet_s=0.3, every_s=60)
+    with caplog.at_level(logging.INFO, logger="nimmer_train.progress"), watch:
+        Progress("build_base", 10, every_s=0.0, stream=io.StringIO()).update(1, {"train_loss": 3.0})
+        time.sleep(0.6)
+    assert [r.getMessage() for r in caplog.records] == ["build_base: step 1/10 (10%), loss 3.000"]
