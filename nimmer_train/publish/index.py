@@ -43,6 +43,7 @@ MAX_INDEX_BYTES = 16 << 20  # like a manifest: refused unread above this
 ID_SETTING, SEQUENCE_SETTING = "index_id", "index_sequence"  # the publisher's registry settings
 SEEN_SETTING = "mirror_index_sequence:"  # + index_id: the highest sequence a device has read
 PIN_SETTING = "mirror_index_id"  # the publisher's index_id a device pinned at its first mirror pull
+ISSUED_SETTING = "mirror_index_issued_at"  # the latest issued_at among the indexes a device read
 VALIDITY_SETTING = "index_validity_days"  # the publisher's: how long an index it signs is valid
 VALIDITY_DAYS = 14.0  # the default: a mirror frozen longer than this is detected
 LABEL_RE = re.compile(rf"{PREFIX}(\d+)")

@@ -28,9 +28,10 @@ A mirror's releases folder (not one version's) is pulled by name through its sig
 label and the sha256 of its manifest; the index's signature is checked first; then an expired
 index is refused (a frozen mirror; ``allow_expired`` for an offline copy), so is an index under
 another ``index_id`` than the one this device pinned at its first mirror pull (whatever the
-mirror: ``accept_index_id`` names a new one on purpose), and one older than an index this device
-already read; the version's manifest must hash to what the index names before anything else is
-fetched.
+mirror: ``accept_index_id`` names a new one on purpose, and only an index under that id, issued
+no earlier than the latest index this device read: naming an earlier releases folder's id rolls
+nothing back), and one older than an index this device already read; the version's manifest must
+hash to what the index names before anything else is fetched.
 """
 
 from __future__ import annotations
@@ -55,7 +56,15 @@ import httpx
 from nimmer_train.artifacts import MANIFEST, NOFOLLOW, fsync_dir, fsync_tree, sha256_file
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import read_metadata
-from nimmer_train.publish.index import INDEX, PIN_SETTING, SEEN_SETTING, expired, read_index, resolve
+from nimmer_train.publish.index import (
+    INDEX,
+    ISSUED_SETTING,
+    PIN_SETTING,
+    SEEN_SETTING,
+    expired,
+    read_index,
+    resolve,
+)
 from nimmer_train.publish.manifest import (
     FORMAT,
     SIGNATURE,
@@ -537,14 +546,22 @@ def _refuse_rollback(releases: Path, index: dict[str, Any], where: str, accept_i
     older releases folder of the same key re-served would roll ``newest`` back, and its sequence
     is not comparable) unless ``accept_id`` names it; or when this device already read a later
     index of that id (a stale or rolled-back mirror)."""
+    if accept_id is not None and accept_id != index["index_id"]:  # even at a first pull: never another
+        raise PullError(
+            f"the mirror's index {where} is index_id {index['index_id']}, not {accept_id} that "
+            "--accept-index-id names; refused, nothing was fetched"
+        )
     if not (releases / REGISTRY_FILE).exists():
         return
     registry = Registry.open(releases)
     try:
         pinned = _pinned(registry)
         seen = registry.setting(SEEN_SETTING + index["index_id"])
+        latest = registry.setting(ISSUED_SETTING)
     finally:
         registry.close()
+    if pinned and index["index_id"] not in pinned and accept_id == index["index_id"] and latest:
+        _refuse_earlier_folder(index, where, latest)  # named on purpose, yet an earlier folder
     if pinned and index["index_id"] not in pinned and accept_id != index["index_id"]:
         raise PullError(
             f"the mirror's index {where} is index_id {index['index_id']} (sequence {index['sequence']}, "
@@ -561,13 +578,30 @@ def _refuse_rollback(releases: Path, index: dict[str, Any], where: str, accept_i
         )
 
 
+def _refuse_earlier_folder(index: dict[str, Any], where: str, latest: str) -> None:
+    """PullError when an index under a new id was issued before the latest index this device
+    read: an earlier releases folder (its id is the one the pin refusal tells the operator to
+    name), re-served to roll ``newest`` back; a folder the publisher moved to is signed anew."""
+    if datetime.fromisoformat(index["issued_at"]) < datetime.fromisoformat(latest):
+        raise PullError(
+            f"the mirror's index {where} (index_id {index['index_id']}, issued {index['issued_at']}) "
+            f"was issued before the latest index this device read ({latest}): an earlier releases "
+            "folder, not one the publisher moved to; refused even when --accept-index-id names it, "
+            "nothing was fetched. If it really is current, ask the publisher to sign its index anew "
+            "(nimmer versions sign-index)"
+        )
+
+
 def _record_seen(releases: Path, index: dict[str, Any]) -> None:
-    """Pin the index's id (the first, or one accepted on purpose) and remember the highest
-    sequence read under it (``_refuse_rollback``)."""
+    """Pin the index's id (the first, or one accepted on purpose), remember the highest
+    sequence read under it and the latest issued_at read (``_refuse_rollback``)."""
     registry = Registry.open(releases, create=True)
     try:
         with registry.writing():
             registry.set_setting(PIN_SETTING, index["index_id"])
+            latest = registry.setting(ISSUED_SETTING)
+            if latest is None or datetime.fromisoformat(latest) < datetime.fromisoformat(index["issued_at"]):
+                registry.set_setting(ISSUED_SETTING, index["issued_at"])
             key = SEEN_SETTING + index["index_id"]
             seen = registry.setting(key)
             if seen is None or int(seen) < index["sequence"]:

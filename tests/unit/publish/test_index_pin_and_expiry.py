@@ -150,7 +150,9 @@ def test_a_frozen_mirrors_expired_index_is_refused_by_name(
         (err,) = capsys.readouterr().err.strip().splitlines()
         assert f"it expired at {frozen['expires_at']}" in err and "the mirror may be frozen" in err
         assert "nimmer versions sign-index" in err and "--allow-expired-index" in err
-        assert [path for path, _, _ in app.log] == [f"/{INDEX}"]  # nothing else was asked for
+        # nothing but the index was asked for (the Mirror logs a request once its response is out:
+        # under load the refusal can come before the index's entry, so this reads "at most")
+        assert {path for path, _, _ in app.log} <= {f"/{INDEX}"}
         # an offline copy the operator trusts: read on purpose, every other check still runs
         assert _pull(device, trusted, url, "--version", "newest", "--allow-expired-index") == 0
         assert _aliases(device) == {"production": V1}
