@@ -105,7 +105,7 @@ def _stage_line(label: str, elapsed: float, expected: float | None, after: float
         return f"{label}: {_duration(elapsed)} in (no earlier run to estimate the time left from)"
     left = f"ETA {_duration(expected - elapsed)}" if elapsed < expected else "ETA any moment"
     whole = f"; the run's ETA {_duration(max(expected - elapsed, 0) + after)}" if after else ""
-    return f"{label}: {_duration(elapsed)} in, {left} (it took {_duration(expected)} before){whole}"
+    return f"{label}: {_duration(elapsed)} in, {left} (expected {_duration(expected)}){whole}"
 
 
 @contextlib.contextmanager
@@ -117,9 +117,10 @@ def stage_watch(
     every_s: float = 30.0,
 ) -> Iterator[None]:
     """While a stage runs: once it has run ``quiet_s`` and then every ``every_s``, a progress line
-    with the time spent and the ETA from ``expected_s`` (what the stage took before; None: time
-    spent only) and the whole run's from ``after_s`` (what the stages after it took), unless a
-    :class:`Progress` of the stage's own (steps, tokens/s, ETA) showed a line in that time."""
+    with the time spent, the ETA from ``expected_s`` (what the stage took when it last did work,
+    or an estimate; None: time spent only) and the whole run's from ``after_s`` (what the stages
+    after it take), unless a :class:`Progress` of the stage's own (steps, tokens/s, ETA) showed a
+    line in that time."""
     started, done = time.perf_counter(), threading.Event()
 
     def watch() -> None:

@@ -68,7 +68,19 @@ class RunAllResult:
 
 
 QUICK = "make demo EXPERIMENT=tiny"  # the scratch preset: every stage in minutes, no wheel needed
-FIRST_RUN: dict[str, dict[str, float]] = {}  # estimated stage seconds by experiment (stage_times)
+# each stage's seconds on a quiet 2-core machine, estimated (docs/config.md#experiment-presets):
+# the ETAs of a first run, before any was recorded (stage_times)
+FIRST_RUN: dict[str, dict[str, float]] = {
+    "demo": {
+        "ingest": 6,
+        "synthesize": 2,
+        "build_base": 175,
+        "train_loras": 955,
+        "federate": 240,
+        "publish": 240,
+        "speak": 180,
+    },
+}
 REAL_BASE_MEMORY_GIB = 6.0  # a pretrained base (SmolLM2-135M): training, the federation's nodes, serving
 
 

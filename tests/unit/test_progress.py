@@ -54,7 +54,7 @@ def test_a_stage_without_steps_gets_lines_with_its_eta_and_the_runs(caplog) -> N
             time.sleep(0.5)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
-    eta = r"run_all federate \(5/7\): \d+s in, ETA 1m\d\ds \(it took 2m00s before\); the run's ETA 6m\d\ds"
+    eta = r"run_all federate \(5/7\): \d+s in, ETA 1m\d\ds \(expected 2m00s\); the run's ETA 6m\d\ds"
     assert re.fullmatch(eta, lines[0]), lines[0]
     blind = r"run_all speak \(7/7\): \d+s in \(no earlier run to estimate the time left from\)"
     assert re.fullmatch(blind, lines[1]), lines[1]
