@@ -600,8 +600,10 @@ def _record_seen(releases: Path, index: dict[str, Any]) -> None:
         with registry.writing():
             registry.set_setting(PIN_SETTING, index["index_id"])
             latest = registry.setting(ISSUED_SETTING)
-            if latest is None or datetime.fromisoformat(latest) < datetime.fromisoformat(index["issued_at"]):
-                registry.set_setting(ISSUED_SETTING, index["issued_at"])
+            # never later than now: an index dated ahead (a publisher's clock) would block every move
+            issued = min(datetime.fromisoformat(index["issued_at"]), datetime.now(UTC).replace(microsecond=0))
+            if latest is None or datetime.fromisoformat(latest) < issued:
+                registry.set_setting(ISSUED_SETTING, issued.isoformat())
             key = SEEN_SETTING + index["index_id"]
             seen = registry.setting(key)
             if seen is None or int(seen) < index["sequence"]:
