@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
+from nimmer_train.errors import NimmerError
 from nimmer_train.voice.prompt_dsl import REPLY_GRAMMAR_OPTIONS, render_reply
 from nimmer_train.voice.registers import load_catalogue
 
@@ -98,9 +99,8 @@ def bounded(
     included: a maxLength on each top-level string property and, when the budget is tight, only
     the required properties. Whatever it admits is valid under ``schema``. A reply that runs
     denser than that is closed by :class:`SchemaMask` before its budget could no longer hold
-    another property; one that still runs out inside a key (a model spelling it in many more
-    tokens than the tokenizer would) is left open and the turn fails as ``invalid_output``
-    (never malformed JSON to the game)."""
+    another property, what it has open (a key, a character cut after its first byte, an empty
+    required string) finished first by the shortest way."""
     props = schema.get("properties")
     if schema.get("type") != "object" or not isinstance(props, dict):
         return schema
@@ -131,8 +131,42 @@ def bounded(
     return out
 
 
+@lru_cache(maxsize=8)
+def _finishing_tokens(tokenizer: Any, n_vocab: int) -> torch.Tensor:
+    """The one-byte tokens that finish whatever a reply has open without opening anything: a
+    printable ASCII character but the escape ``\\``, or a UTF-8 continuation byte (a character
+    cut after its first byte is completed in at most three)."""
+    ll = _ll_tokenizer(tokenizer, n_vocab)
+    keep = torch.zeros(n_vocab, dtype=torch.bool)
+    for token in range(min(n_vocab, ll.vocab_size)):
+        if ll.is_special_token(token):
+            continue
+        raw = ll.decode_bytes([token])
+        if len(raw) == 1 and (0x20 <= raw[0] < 0x7F and raw[0] != 0x5C or 0x80 <= raw[0] < 0xC0):
+            keep[token] = True
+    return keep
+
+
 CLOSERS = ('"}', "}")  # what ends a flat JSON object from inside a string value or after one
-CLOSE_MARGIN = 2  # start closing this many tokens before the last moment (a string may still be too short)
+# start closing this many tokens before the last moment: a string may still be too short, or a
+# character cut after its first byte (UTF-8: up to three bytes more before a quote is valid)
+CLOSE_MARGIN = 3
+
+
+class BudgetTooSmall(NimmerError):
+    """A token budget that cannot hold even the smallest reply the schema admits."""
+
+
+def smallest_reply_tokens(tokenizer: Any, schema: dict[str, Any]) -> int | None:
+    """Tokens of the smallest valid reply to a flat object ``schema`` (its required strings at
+    their minLength) with the end-of-turn token; None for another kind of schema."""
+    props, required = schema.get("properties"), schema.get("required", [])
+    if schema.get("type") != "object" or not isinstance(props, dict):
+        return None
+    if any(props.get(n, {}).get("type") != "string" or "enum" in props[n] for n in required):
+        return None
+    smallest = {n: "x" * max(1, int(props[n].get("minLength", 0))) for n in required}
+    return len(tokenizer(render_reply(smallest, schema), add_special_tokens=False)["input_ids"]) + 1
 
 
 class RowGrammar:
@@ -141,7 +175,9 @@ class RowGrammar:
     budget is down to what one more of the properties that may still follow would take (its key,
     an empty value and the close: the reply could not start it and still close) it forces the
     shortest close (a closing quote and brace, then the end-of-turn token) at the first token
-    where one is valid; in the last property only the close itself is kept back. Built off
+    where one is valid, and until then only tokens that finish what is open (forced ones, then
+    one-byte ones); in the last property only the close itself is kept back. A budget below the
+    smallest valid reply is refused (:class:`BudgetTooSmall`). One rule for both engines. Built off
     the decode thread (compiling is the costly part); :meth:`allowed` and :meth:`consume` are
     microseconds per token."""
 
@@ -152,6 +188,13 @@ class RowGrammar:
 
         self.matcher = reply_matcher(tokenizer, schema, n_vocab)
         self.max_new_tokens = max_new_tokens
+        minimum = smallest_reply_tokens(tokenizer, schema) if max_new_tokens else None
+        if minimum is not None and max_new_tokens is not None and max_new_tokens < minimum:
+            raise BudgetTooSmall(
+                f"max_new_tokens={max_new_tokens} cannot hold the smallest schema-valid reply "
+                f"({minimum} tokens with the end of turn); set runtime.max_new_tokens (or a request's "
+                f"max_tokens) to at least {minimum}"
+            )
         self.closers = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in CLOSERS]
         encode = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
         names = list(schema.get("properties", {}))
@@ -163,6 +206,7 @@ class RowGrammar:
             max([closing, *(1 + CLOSE_MARGIN + c for c in one_more[i + 1 :])]) for i in range(len(names))
         ]
         self.decode = tokenizer.decode
+        self.finishing = _finishing_tokens(tokenizer, n_vocab)
         self.text, self.current = "", -1  # the reply so far; the property being written
         self.bitmask = allocate_token_bitmask(1, n_vocab)
         self.bits = torch.arange(32, dtype=torch.int32)
@@ -180,21 +224,32 @@ class RowGrammar:
         """The tokens allowed after ``generated`` tokens, as a bool row of ``width``."""
         from llguidance.torch import fill_next_token_bitmask
 
-        forced = self._closing(self.max_new_tokens - generated) if self.max_new_tokens else None
+        left = self.max_new_tokens - generated if self.max_new_tokens else None
+        tight = left is not None and self._tight(left)
+        forced = self._closing(left) if tight else None
+        if forced is None and tight:  # no close is valid yet: finish what is open by the shortest way
+            forced = next(iter(self.matcher.compute_ff_tokens()), None)  # a key's rest, ": "
         if forced is not None:
             keep = torch.zeros(width, dtype=torch.bool)
             keep[forced] = True
             return keep
         fill_next_token_bitmask(self.matcher, self.bitmask)
-        return ((self.bitmask[0].unsqueeze(1) >> self.bits) & 1).flatten()[:width].bool()
+        allowed = ((self.bitmask[0].unsqueeze(1) >> self.bits) & 1).flatten()[:width].bool()
+        if tight:  # e.g. a character cut after its first byte, an empty required string
+            short = allowed & self.finishing[:width]
+            if bool(short.any()):
+                return short
+        return allowed
+
+    def _tight(self, left: int) -> bool:
+        """Whether only ``left`` tokens are too few to start another property and still close."""
+        start = self.close_from[self.current] if self.current >= 0 else max(self.close_from, default=0)
+        return left <= start and not self.matcher.is_accepting()
 
     def _closing(self, left: int) -> int | None:
         """The first token of the shortest valid close (one that leaves the reply complete) when
-        only ``left`` tokens remain, one of them for the end-of-turn token; None while there is
-        room, or when no close is valid yet."""
-        start = self.close_from[self.current] if self.current >= 0 else max(self.close_from, default=0)
-        if self.matcher.is_accepting() or left > start:
-            return None
+        only ``left`` tokens remain, one of them for the end-of-turn token; None when no close
+        is valid yet."""
         for ids in sorted(self.closers, key=len):
             if len(ids) > left - 1 or self.matcher.validate_tokens(ids) < len(ids):
                 continue

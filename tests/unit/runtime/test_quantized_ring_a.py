@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from nimmer_train.publish.manifest import IntegrityError
+from nimmer_train.runtime.local_model import LocalModel
 from nimmer_train.runtime.quantized_model import NoQuantizedArtifacts, QuantizedModel
 from nimmer_train.runtime.rings import RingA
 from nimmer_train.voice.prompt_dsl import (
@@ -24,10 +25,9 @@ from nimmer_train.voice.prompt_dsl import (
 )
 from nimmer_train.voice.registers import load_catalogue
 from nimmer_train.voice.sampling import SamplingKnobs
+from nimmer_train.voice.structured import BudgetTooSmall, smallest_reply_tokens
 
-KNOBS = SamplingKnobs(
-    0.8, 0.9, 40, 1.1, 0.05, max_new_tokens=160, no_repeat_ngram_size=3
-)  # room to close the JSON
+KNOBS = SamplingKnobs(0.8, 0.9, 40, 1.1, 0.05, max_new_tokens=48, no_repeat_ngram_size=3)
 
 
 def _prompt(register: str) -> tuple[TurnPrompt, object]:
@@ -80,6 +80,33 @@ def test_seeded_turns_repeat_and_temperature_zero_takes_the_top_token(published:
         assert model.tokenizer.decode([int(logits.argmax())]) == model.tokenizer.decode(token)
     finally:
         model.close()
+
+
+def test_a_spent_budget_still_closes_the_reply_on_both_engines(published: tuple[Path, Path]) -> None:
+    """Found in CI: a quantized turn whose max_new_tokens ran out mid-string was unclosed JSON.
+    Both engines share the grammar's budget rule (voice/structured.RowGrammar): every reply at a
+    budget from the smallest valid one up is schema-valid, and one below it is one clear error."""
+    releases, trusted = published
+    quantized = QuantizedModel.open(releases, "v1", trusted, threads=1)
+    reference = LocalModel.open(releases, "v1", trusted)
+    try:
+        name = quantized.registers[0]
+        messages = render_compact(_prompt(name)[0])
+        minimum = smallest_reply_tokens(quantized.tokenizer, TURN_SCHEMA)
+        assert minimum is not None
+        for model in (quantized, reference):
+            for budget in (minimum, minimum + 3, minimum + 8):
+                knobs = SamplingKnobs(0.8, 0.9, 40, 1.1, 0.05, max_new_tokens=budget, no_repeat_ngram_size=3)
+                for seed in range(4):
+                    out = model.generate(messages, name, knobs, TURN_SCHEMA, seed=seed)
+                    assert out.completion_tokens <= budget
+                    validate_reply(out.text, TURN_SCHEMA)  # raises if not schema-valid
+            tiny = SamplingKnobs(0.8, 0.9, 40, 1.1, 0.05, max_new_tokens=minimum - 1)
+            with pytest.raises(BudgetTooSmall, match=f"runtime.max_new_tokens .* at least {minimum}$"):
+                model.generate(messages, name, tiny, TURN_SCHEMA, seed=0)
+    finally:
+        quantized.close()
+        reference.close()
 
 
 def test_a_version_the_engine_cannot_run_falls_back_only_when_allowed(published: tuple[Path, Path]) -> None:
