@@ -87,6 +87,15 @@ class VersionSpeaker:
     label: str
     registers: list[str]
     merged_register: str | None
+    n_vocab: int
+
+    def speak_with(self, version: VerifiedVersion, tokenizer: Any) -> None:
+        """What both engines read from the version and its tokenizer."""
+        self.version, self.label, self.tokenizer = version, version.label, tokenizer
+        self.stop_ids = end_of_turn_ids(tokenizer)  # the chat template's end of turn, then EOS
+        self.chars_per_token = chars_per_token(tokenizer)  # sizes the schema's string caps
+        merged = version.manifest.get("merged_adapter") or {}
+        self.merged_register: str | None = merged.get("register")
 
     def adapter_for(self, register: str | None) -> str | None:
         """The LoRA that voices ``register`` on this version (None: the bare weights carry it)."""
@@ -124,6 +133,49 @@ class VersionSpeaker:
     def _count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def grammars(self, schema: dict[str, Any] | None, knobs: SamplingKnobs, n: int = 1) -> list[Any]:
+        """One grammar per row (None without a schema). The knobs act after the mask (a token the
+        grammar forbids takes no part in top-k / top-p / min-p); the string caps are sized to
+        close within the budget, and a budget below the smallest valid reply is refused here."""
+        if schema is None:
+            return [None] * n
+        fitted = bounded(schema, knobs.max_new_tokens, self.chars_per_token, self._count)
+        return [RowGrammar(self.tokenizer, fitted, self.n_vocab, knobs.max_new_tokens) for _ in range(n)]
+
+    def prepare(
+        self,
+        messages: list[dict[str, str]],
+        register: str | None,
+        knobs: SamplingKnobs,
+        schema: dict[str, Any] | None = None,
+        seed: int | None = None,
+        *,
+        sink: Any = None,
+        n: int = 1,
+        stop: tuple[str, ...] = (),
+        logprobs: int | None = None,
+        prompt: list[int] | None = None,
+        stream: bool = True,
+    ) -> Job:
+        """The engine's job for one request: the template applied, the grammar compiled (one per
+        row), the seeds fixed (row i of a seeded request: ``seed + i``). The costly part of a
+        request, done in the caller's thread, never on the decode thread."""
+        adapter = self.adapter_for(register)
+        ids = prompt if prompt is not None else self.prompt_ids(messages)
+        seeds = [(seed + i) % 2**63 if seed is not None else random_seed() for i in range(n)]
+        return Job(
+            ids,
+            adapter,
+            knobs,
+            seeds,
+            self.grammars(schema, knobs, n),
+            sink or (lambda event: None),
+            tuple(stop),
+            logprobs,
+            register=adapter or "base",
+            stream=stream,
+        )
+
 
 class LocalModel(VersionSpeaker):
     """One loaded version and the engine that decodes for it (started at once)."""
@@ -136,16 +188,11 @@ class LocalModel(VersionSpeaker):
         keyring: Keyring | None = None,
         settings: EngineSettings | None = None,
     ) -> None:
-        self.version = version
-        self.label = version.label
         self.releases, self.keyring = releases, keyring
         # both from one private copy whose bytes were hashed as read: what runs is what was verified
-        self.model, self.tokenizer = load_verified(version, device=device)
-        self.stop_ids = end_of_turn_ids(self.tokenizer)  # the chat template's end of turn, then EOS
-        self.chars_per_token = chars_per_token(self.tokenizer)  # sizes the schema's string caps
+        self.model, tokenizer = load_verified(version, device=device)
+        self.speak_with(version, tokenizer)
         self.registers = sorted(version.loras)
-        merged = version.manifest.get("merged_adapter") or {}
-        self.merged_register: str | None = merged.get("register")
         self.n_vocab = int(self.model.config.vocab_size)
         self.context_tokens = int(self.model.config.max_position_embeddings)
         self.device = device
@@ -171,48 +218,6 @@ class LocalModel(VersionSpeaker):
     ) -> LocalModel:
         keyring = Keyring.load(trusted_keys)
         return cls(open_version(releases, name, keyring), device, releases, keyring, settings)
-
-    def prepare(
-        self,
-        messages: list[dict[str, str]],
-        register: str | None,
-        knobs: SamplingKnobs,
-        schema: dict[str, Any] | None = None,
-        seed: int | None = None,
-        *,
-        sink: Any = None,
-        n: int = 1,
-        stop: tuple[str, ...] = (),
-        logprobs: int | None = None,
-        prompt: list[int] | None = None,
-        stream: bool = True,
-    ) -> Job:
-        """The engine's job for one request: the template applied, the grammar compiled (one per
-        row), the seeds fixed (row i of a seeded request: ``seed + i``). The costly part of a
-        request, done in the caller's thread, never on the decode thread."""
-        adapter = self.adapter_for(register)
-        ids = prompt if prompt is not None else self.prompt_ids(messages)
-        grammars: list[Any] = [None] * n
-        if schema is not None:
-            # the knobs act after the mask (a token the grammar forbids takes no part in top-k /
-            # top-p / min-p); the string caps are sized to close within the budget
-            fitted = bounded(schema, knobs.max_new_tokens, self.chars_per_token, self._count)
-            grammars = [
-                RowGrammar(self.tokenizer, fitted, self.n_vocab, knobs.max_new_tokens) for _ in range(n)
-            ]
-        seeds = [(seed + i) % 2**63 if seed is not None else random_seed() for i in range(n)]
-        return Job(
-            ids,
-            adapter,
-            knobs,
-            seeds,
-            grammars,
-            sink or (lambda event: None),
-            tuple(stop),
-            logprobs,
-            register=adapter or "base",
-            stream=stream,
-        )
 
     def generate(
         self,

@@ -30,12 +30,11 @@ import torch
 from nimmer_train.errors import NimmerError
 from nimmer_train.publish.signing import Keyring
 from nimmer_train.publish.versions import VerifiedVersion, _copy_verified, open_version
-from nimmer_train.runtime.engine import Delta, Done, EngineClosed, Failed, Job, QueueFull, random_seed
+from nimmer_train.runtime.engine import Delta, Done, EngineClosed, Failed, Job, QueueFull
 from nimmer_train.runtime.llama_engine import LlamaContext
 from nimmer_train.runtime.local_model import Generation, VersionSpeaker
 from nimmer_train.runtime.serve_metrics import ServeMetrics
 from nimmer_train.voice.sampling import SamplingKnobs, sample_rows, warp_rows
-from nimmer_train.voice.structured import RowGrammar, bounded, chars_per_token, end_of_turn_ids
 
 QUANTS = ("q4_1", "q8_0")
 WEIGHTS = "model.safetensors"
@@ -69,7 +68,7 @@ class QuantizedModel(VersionSpeaker):
         from transformers import AutoTokenizer
 
         section = quantized_section(version, quant)
-        self.version, self.label, self.quant, self.engine = version, version.label, quant, "llama"
+        self.quant = quant
         lora_paths = {r: p for r, p in section.get("loras", {}).items() if r in version.loras}
         wanted = {section["bases"][quant], *lora_paths.values()}
         files = [
@@ -80,7 +79,7 @@ class QuantizedModel(VersionSpeaker):
         self._tmp = Path(tempfile.mkdtemp(prefix="nimmer-quantized-"))
         try:
             folder = _copy_verified(version.folder, files, self._tmp, version.label)
-            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+            self.speak_with(version, AutoTokenizer.from_pretrained(folder))
             self.context = LlamaContext(folder / section["bases"][quant], n_ctx=n_ctx, threads=threads)
             for register, rel in sorted(lora_paths.items()):
                 self.context.load_adapter(register, folder / rel)
@@ -88,10 +87,6 @@ class QuantizedModel(VersionSpeaker):
             shutil.rmtree(self._tmp, ignore_errors=True)
             raise
         self.registers = sorted(lora_paths)
-        merged = version.manifest.get("merged_adapter") or {}
-        self.merged_register: str | None = merged.get("register")
-        self.stop_ids = end_of_turn_ids(self.tokenizer)
-        self.chars_per_token = chars_per_token(self.tokenizer)
         self.n_vocab = self.context.n_vocab
         self.context_tokens = n_ctx
         self.lock = threading.Lock()
@@ -115,10 +110,7 @@ class QuantizedModel(VersionSpeaker):
         does); turns from several threads are spoken one after another."""
         adapter = self.adapter_for(register)
         prompt = self.prompt_ids(self.defused(messages))
-        grammar = None
-        if schema is not None:
-            fitted = bounded(schema, knobs.max_new_tokens, self.chars_per_token, self._count)
-            grammar = RowGrammar(self.tokenizer, fitted, self.n_vocab, knobs.max_new_tokens)
+        grammar = self.grammars(schema, knobs)[0]
         generator = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns()) % 2**63)
         with self.lock:
             started = time.perf_counter()
@@ -157,36 +149,6 @@ class QuantizedModel(VersionSpeaker):
             if len(ids) >= knobs.max_new_tokens:
                 return ids, "length"
             logits = self.context.step(token)
-
-    def prepare(
-        self,
-        messages: list[dict[str, str]],
-        register: str | None,
-        knobs: SamplingKnobs,
-        schema: dict[str, Any] | None = None,
-        seed: int | None = None,
-        *,
-        sink: Any = None,
-        n: int = 1,
-        stop: tuple[str, ...] = (),
-        logprobs: int | None = None,
-        prompt: list[int] | None = None,
-        stream: bool = True,
-    ) -> Job:
-        """``nimmer serve``'s job for one request, as :meth:`LocalModel.prepare` makes it."""
-        adapter = self.adapter_for(register)
-        ids = prompt if prompt is not None else self.prompt_ids(messages)
-        grammars: list[Any] = [None] * n
-        if schema is not None:
-            fitted = bounded(schema, knobs.max_new_tokens, self.chars_per_token, self._count)
-            grammars = [
-                RowGrammar(self.tokenizer, fitted, self.n_vocab, knobs.max_new_tokens) for _ in range(n)
-            ]
-        seeds = [(seed + i) % 2**63 if seed is not None else random_seed() for i in range(n)]
-        sink = sink or (lambda event: None)
-        return Job(
-            ids, adapter, knobs, seeds, grammars, sink, tuple(stop), logprobs, adapter or "base", stream
-        )
 
     def load_register(self, register: str) -> None:
         raise NimmerError("engine llama loads the version's LoRAs at start; restart nimmer serve to add one")
