@@ -7,7 +7,8 @@ process, turns at concurrency 1 (registers round-robin, 32-token replies, the re
 every other turn under the NPC turn schema), the engines taking turns (torch, q4_1, q8_0, then
 the reverse order), so the ratios share whatever load the machine has:
 
-- **p50 ratio**: Ring A's c=1 turn p50, quantized over float32 (goal <= 0.25).
+- **p50 ratio**: Ring A's c=1 turn p50, quantized over float32 (goal <= 0.25); q4_1 at one
+  and at two llama.cpp threads (``runtime.engine_threads``), and the two over each other.
 - **raw ratio**: Ring A's decode tokens/s (knobs and grammar mask applied in Python over
   llama.cpp's logits) over the binding's raw generate on the same file and LoRA (llama.cpp's
   own sampler chain, top-k, top-p, temperature, no grammar), 32 tokens after the same prompt
@@ -36,6 +37,9 @@ GOAL = (
     "generate; RSS of a five-register Ring A process quantized vs float32 reported"
 )
 QUANTS = ("q4_1", "q8_0")
+# the quantized engines measured: name -> (quant, llama.cpp threads); q4_1 at 1 and 2 threads in
+# the same run, so the thread count's effect on the c=1 turn shares the load of the moment
+QUANTIZED = {"q4_1": ("q4_1", 1), "q4_1_2threads": ("q4_1", 2), "q8_0": ("q8_0", 1)}
 
 
 def _raw_generate(model: Any, prompt: list[int], register: str, tokens: int, seed: int) -> float:
@@ -138,15 +142,15 @@ def run(smoke: bool = False) -> dict[str, object]:
     from nimmer_train.runtime.local_model import LocalModel
     from nimmer_train.runtime.quantized_model import QuantizedModel
 
-    torch.set_num_threads(1)  # the torch engine's default; llama.cpp gets one thread too
+    torch.set_num_threads(1)  # the torch engine's default; llama.cpp one thread, and q4_1 two too
     load_before = os.getloadavg()[0]
     turns, tokens = (4, 8) if smoke else (16, 32)
     with tempfile.TemporaryDirectory() as tmp:
         releases, trusted, model_name = _base(Path(tmp), smoke)
         started = time.perf_counter()
         models: dict[str, Any] = {"float32": LocalModel.open(releases, "v1", trusted)}
-        for q in QUANTS:
-            models[q] = QuantizedModel.open(releases, "v1", trusted, q, threads=1)
+        for name, (q, threads) in QUANTIZED.items():
+            models[name] = QuantizedModel.open(releases, "v1", trusted, q, threads=threads)
         open_s = round(time.perf_counter() - started, 1)
         registers = models["float32"].registers
         work = _workload(registers, tokens, turns)
@@ -174,7 +178,8 @@ def run(smoke: bool = False) -> dict[str, object]:
             m.close()
         rss = {engine: _rss(releases, trusted, engine) for engine in ("float32", *QUANTS)}
     return {
-        **{f"p50_{q}_over_float32_ratio": round(p50[q] / p50["float32"], 3) for q in QUANTS},
+        **{f"p50_{q}_over_float32_ratio": round(p50[q] / p50["float32"], 3) for q in QUANTIZED},
+        "p50_q4_1_2threads_over_1thread_ratio": round(p50["q4_1_2threads"] / p50["q4_1"], 3),
         **{f"tokens_per_s_{q}_over_raw_ratio": round(ring[q] / raw[q], 3) for q in QUANTS},
         **{f"rss_{q}_over_float32_ratio": round(rss[q] / rss["float32"], 3) for q in QUANTS},
         "goal": GOAL,
@@ -192,8 +197,9 @@ def run(smoke: bool = False) -> dict[str, object]:
             "registers": len(registers),
             "turns": turns,
             "max_new_tokens": tokens,
-            "order": "per turn: float32, q4_1, q8_0, then reversed",
-            "threads": 1,
+            "order": f"per turn: float32, {', '.join(QUANTIZED)}, then reversed",
+            "threads": {"float32 (torch)": 1, **{k: t for k, (_, t) in QUANTIZED.items()}},
+            "cores": len(os.sched_getaffinity(0)),
             "open_s": open_s,
             "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         },

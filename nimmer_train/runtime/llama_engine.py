@@ -20,6 +20,14 @@ from nimmer_train.publish.llama_binding import binding, lock
 from nimmer_train.publish.quantize import REPACKED, file_type, read_base_key
 
 
+def default_threads() -> int:
+    """The cores this process may run on (``runtime.engine_threads: 0``): a player's one NPC
+    turn at a time is latency-bound, and llama.cpp splits each step's matmuls over its threads.
+    Its threads spin while they wait, so on a machine that other work keeps busy fewer can be
+    faster: set runtime.engine_threads (benchmarks/bench_ring_a.py measures 1 against 2)."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
 class LlamaContext:
     """A loaded GGUF model, its context, and the LoRA adapters loaded onto it by register."""
 
@@ -33,9 +41,7 @@ class LlamaContext:
             self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
         if self.model == ffi.NULL:
             raise NimmerError(f"{gguf}: llama.cpp could not load this GGUF; publish the version again")
-        # half the cores, at most 4: llama.cpp's threads spin while they wait, and on a shared or
-        # small machine (2 cores here) a second thread made a step 4x slower, not faster
-        self.threads = threads or max(1, min(4, len(os.sched_getaffinity(0)) // 2))
+        self.threads = threads or default_threads()
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_ctx  # a whole prompt in one decode call

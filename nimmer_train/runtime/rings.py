@@ -160,6 +160,7 @@ class RingA:
         engine: str = "torch",
         quant: str = "q4_1",
         fallback: bool = False,
+        threads: int | None = None,
     ) -> RingA:
         """A session's Ring A: ``name`` (e.g. ``production``) resolved in the registry now, the
         version verified and loaded on ``engine`` (``torch``: the float32 reference;
@@ -178,7 +179,7 @@ class RingA:
         from nimmer_train.runtime.quantized_model import NoQuantizedArtifacts, QuantizedModel
 
         try:
-            return cls(QuantizedModel.open(releases, name, trusted_keys, quant), constrained)
+            return cls(QuantizedModel.open(releases, name, trusted_keys, quant, threads), constrained)
         except (EngineUnavailable, NoQuantizedArtifacts) as exc:
             if not fallback:
                 raise
