@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,14 +51,10 @@ def federation_releases(releases: Path, keyring: Keyring) -> tuple[list[Federati
     without a registry holds no version: ([], [])."""
     if not (releases / REGISTRY_FILE).exists():
         return [], []
-    registry = Registry.open(releases)
     try:
-        rows = [
-            (v.label, int(v.row["version_number"]), str(v.row["manifest_sha256"]))
-            for v in registry.versions()
-        ]
-    finally:
-        registry.close()
+        rows = _rows(releases)
+    except (sqlite3.DatabaseError, ValueError, TypeError, KeyError) as exc:  # corrupt or foreign
+        return [], [f"{releases / REGISTRY_FILE}: not a readable version registry ({exc})"]
     found, refused = [], []
     for label, number, recorded in rows:
         try:
@@ -68,6 +65,18 @@ def federation_releases(releases: Path, keyring: Keyring) -> tuple[list[Federati
         if claim is not None:
             found.append(claim)
     return found, refused
+
+
+def _rows(releases: Path) -> list[tuple[str, int, str]]:
+    """(label, number, manifest sha256) of every registered version."""
+    registry = Registry.open(releases)
+    try:
+        return [
+            (v.label, int(v.row["version_number"]), str(v.row["manifest_sha256"]))
+            for v in registry.versions()
+        ]
+    finally:
+        registry.close()
 
 
 def _read(path: Path) -> bytes:

@@ -176,3 +176,33 @@ def test_contributions_refuses_a_nan_epsilon_version_and_keeps_the_servers_spend
     assert (player / contributions.LOG_FILE).read_bytes() == before
     assert contributions.spend(player)[FED]["epsilon"] == 1.0  # round 1, as the server told
     assert "NaN" not in json.dumps(contributions.entries(player))
+
+
+def test_a_releases_folder_whose_registry_is_no_database_is_refused_and_the_log_still_shows(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--releases`` naming a folder with a corrupt (or foreign) registry.sqlite: one line naming
+    it, exit 1, and the device's log still shown (it was a traceback, and no log)."""
+    _, trusted = keys
+    player = tmp_path / "me"
+    generate_player(player, HashEmbedder(), seed=3, entries=5, tier="A1_federated")
+    contributions.record(
+        player, "round", federation=ADDRESS, federation_id=FED, round=1, tier="A1_federated", left="u",
+        examples_used=3, epsilon=1.0, epsilon_local=2.0, delta=1e-5,
+        outcome={"rounds_done": 0, "not_released": []},
+    )  # fmt: skip
+    (tmp_path / "releases").mkdir()
+    (tmp_path / "releases" / "registry.sqlite").write_bytes(b"not a database " * 100)
+    argv = [
+        "contributions",
+        str(player),
+        "--releases",
+        str(tmp_path / "releases"),
+        "--trusted-keys",
+        str(trusted),
+    ]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    (err,) = captured.err.strip().splitlines()
+    assert "registry.sqlite" in err and "not a readable version registry" in err
+    assert f"round 1 of {ADDRESS}" in captured.out
