@@ -196,23 +196,30 @@ def spend(folder: Path) -> dict[str, Any]:
             f["released_in"] = f.get("released_in") or e["label"]
             if e.get("epsilon") is not None:
                 f["epsilon"] = max(f["epsilon"] or 0.0, float(e["epsilon"]))
-                f["delta"] = e.get("delta", f.get("delta"))
+                f["delta"] = _larger(f.get("delta"), e.get("delta"))
             continue
         if e["kind"] == "outcome":  # the server's last word: a floor, whatever a version says
             if e.get("epsilon") is not None:
                 f["epsilon"] = max(f["epsilon"] or 0.0, float(e["epsilon"]))
-                f["delta"] = e.get("delta", f.get("delta"))
+                f["delta"] = _larger(f.get("delta"), e.get("delta"))
             continue
         state = states[(key, int(e["round"]))]
         f["rounds"] += 1
         f[state] = f.get(state, 0) + 1
-        f.update(last_round=e["round"], epsilon_local=e.get("epsilon_local"), delta=e.get("delta"))
+        f.update(last_round=e["round"], epsilon_local=e.get("epsilon_local"))
+        f["delta"] = _larger(f.get("delta"), e.get("delta"))
         # a released round's own figure (the ledger's accountant, after that round) is a floor
         if state in (RELEASED, UNRECORDED) and e.get("epsilon") is not None:
             f["epsilon"] = max(f["epsilon"] or 0.0, float(e["epsilon"]))
         if state == PENDING and e.get("epsilon") is not None:
             f["epsilon_if_pending_released"] = float(e["epsilon"])
     return out
+
+
+def _larger(a: float | None, b: float | None) -> float | None:
+    """The larger delta (None: not said): the spend's (epsilon, delta) holds for every source only
+    when both are the largest of theirs (a smaller delta claims a stronger guarantee)."""
+    return b if a is None else a if b is None else max(float(a), float(b))
 
 
 def spend_total(by_federation: dict[str, Any]) -> dict[str, Any]:

@@ -82,3 +82,16 @@ def test_a_version_without_rounds_done_covers_only_up_to_its_last_released_round
         _round(tmp_path, r, 0.5 * r, 0)  # the device heard nothing of any round
     _published(tmp_path, [1, 2], None, 1.0)
     assert _states(tmp_path, range(1, 5)) == ["released", "released", "pending", "pending"]
+
+
+def test_a_versions_smaller_delta_does_not_shrink_the_spends_delta(tmp_path: Path) -> None:
+    """The spend's (epsilon, delta) pair holds for every source when each is the largest: a
+    version's smaller delta beside the server's epsilon would claim a stronger guarantee."""
+    _round(tmp_path, 1, 1.0, 0)
+    record(
+        tmp_path, "published", federation_id="f", federation=ADDRESS, label="nimmerworld-base-v2",
+        version_number=2, version_id="id-2", manifest_sha256="2" * 64, key_id="k",
+        rounds_released=[1], rounds_done=1, epsilon=0.5, delta=1e-12,
+    )  # fmt: skip
+    f = spend(tmp_path)["f"]
+    assert (f["epsilon"], f["delta"]) == (1.0, 1e-5)
