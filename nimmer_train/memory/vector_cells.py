@@ -8,6 +8,11 @@ the rows of its ``probe`` best cells plus the rows added since the last grouping
 exactly, so a new crystal is found at once). The caller re-ranks what comes back by the exact
 cosine; the approximation is only in which rows are looked at. Nothing here knows about
 crystals: rows are positions in the caller's matrix.
+
+Measured on 24,000 exchanges of the generated dialogues (agent/dialogues.py, all-MiniLM-L6-v2,
+155 cells) with their 640 questions: the exact top 24 found 0.93 of the time scanning 1/12 of the
+cells, 0.97 at 1/8, 0.96-0.97 at 1/6 and 1/4 (what is left are ties: the same small talk said
+many times, equal cosines), so a query scans 1/8.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import math
 
 import numpy as np
 
-PROBE_SHARE = 1 / 12  # the share of cells a query scans (at least MIN_PROBE)
+PROBE_SHARE = 1 / 8  # the share of cells a query scans (at least MIN_PROBE); see the module doc
 MIN_PROBE = 8
 REGROUP_SHARE = 0.05  # regroup when the ungrouped tail passes this share of the rows
 

@@ -14,12 +14,13 @@ from nimmer_train.agent.search import SearchWeights
 from nimmer_train.memory.embedding import SentenceEmbedder
 
 # Six sessions of twelve exchanges (72 crystals, 16 questions per seed, seeds 0 and 1). Measured
-# (issue 40): hybrid evidence recall@10 0.94, session hit@10 1.00 on these seeds, 0.93 / 0.98 on
-# held-out seeds 2-5; the full benchmark (20 x 30 exchanges, more distractors) gives 0.65 / 0.90.
-# The floors leave room for four of the 36 evidence turns and one question to slip (a changed
-# embedder or weights), and fail when retrieval falls toward the long benchmark's level.
-RECALL_FLOOR = 0.80
-SESSION_FLOOR = 0.90
+# (issue 40, exchanges embedded without their speaker labels): hybrid evidence recall@10 0.97,
+# session hit@10 1.00 on these seeds; 0.94 / 0.98 on seeds 2-5 and 0.99 / 1.00 on seeds 100-103
+# (with the labels in the vector: 0.94 / 1.00 here, 0.93 / 0.98 on 2-5). The floors leave room
+# for three of the 36 evidence turns and two questions to slip (a changed embedder or weights),
+# and fail when retrieval falls back toward the labelled vectors' level on the long benchmark.
+RECALL_FLOOR = 0.88
+SESSION_FLOOR = 0.93
 
 
 @pytest.fixture(scope="module")
