@@ -250,11 +250,17 @@ def _fmt(value: float | None) -> str:
 def _round_line(e: dict[str, Any], state: str, version: dict[str, Any] | None = None) -> str:
     federation = "A.1 user-level, the federation's"
     if version is not None:  # released as a signed published version says
+        own, signed = e.get("epsilon"), version.get("epsilon")
+        larger = (  # the round's own figure is a floor (spend): never shown lower than the server's
+            f"; this round's own figure {_fmt(own)} is larger and counts"
+            if own is not None and (signed is None or float(own) > float(signed))
+            else ""
+        )
         return (
             f"round {e['round']} of {e['federation']} ({e['tier']}): left this device: {e['left']}; "
             f"{e['examples_used']} local examples trained on here; round released in {version['label']} "
-            f"(signed; its epsilon {_fmt(version.get('epsilon'))}, A.1 user-level over the federation's "
-            f"population, at delta {version.get('delta') or 0:g}); {_fmt(e.get('epsilon_local'))} "
+            f"(signed; its epsilon {_fmt(signed)}, A.1 user-level over the federation's "
+            f"population, at delta {version.get('delta') or 0:g}{larger}); {_fmt(e.get('epsilon_local'))} "
             "(this device's DP-SGD, record-level)"
         )
     cost = {

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nimmer_train.memory.contributions import entries, record, release_states, spend
+from nimmer_train.memory.contributions import entries, record, release_states, render, spend
 
 ADDRESS = "fl.example:9092"
 
@@ -52,6 +52,8 @@ def test_a_round_the_server_told_released_stays_released(tmp_path: Path) -> None
     assert _states(tmp_path, range(1, 4)) == ["released", "released", "released"]
     f = spend(tmp_path)["f"]
     assert f["epsilon"] == 1.9 and f["not_released"] == 0  # round 3's own figure, released
+    line = render(entries(tmp_path))[2]  # the round's line says which figure counts
+    assert "its epsilon 1.3" in line and "this round's own figure 1.9 is larger and counts" in line
 
 
 def test_the_servers_final_epsilon_counts_where_a_version_covers_it(tmp_path: Path) -> None:
