@@ -18,6 +18,11 @@ the demo runs on two, where the ratios may differ a little):
   float32; autocast over float32 weights is shown too (it recasts every weight at each decoded
   token: slower than float32, so the engine casts the weights instead).
 
+- **register LoRA on the top layers** (``lora.top_layers``, issue 38's option): ``train_adapter``
+  in bfloat16 with the LoRA on the top 10 of SmolLM2's 30 decoder layers against every layer (the
+  backward pass stops below the lowest adapted one); the same conversations and steps. What it
+  does to the voices is not measured here (docs/config.md#experiment-presets).
+
 The goal is a ratio below 1 (bfloat16 CPU seconds over float32's) on every stage. Smoke: the same
 code on the tiny base built from config, one repetition; its figures are not a measurement.
 
@@ -36,7 +41,7 @@ from typing import Any
 
 GOAL = (
     "bfloat16 CPU seconds / float32's < 1 on every stage (pretraining step, LoRA training, held-out "
-    "losses, generation)"
+    "losses, generation); a LoRA step on the top 10 layers < 1x one on every layer"
 )
 ORDER = ("float32", "bfloat16", "bfloat16", "float32")
 
@@ -105,6 +110,36 @@ def _lora(base: Path, work: Path, steps: int, order: tuple[str, ...]) -> dict[st
         "bfloat16_loop_cpu_s": round(cpu["bfloat16"], 3),
         "bfloat16_over_float32_cpu_ratio": round(cpu["bfloat16"] / cpu["float32"], 3),
         "train_loss": loss,
+    }
+
+
+def _top_layers(base: Path, work: Path, steps: int, count: int, order: tuple[str, ...]) -> dict[str, Any]:
+    """train_adapter in bfloat16 with the LoRA on every layer against ``lora.top_layers=count``
+    (the backward pass stops below the lowest adapted layer); the same conversations and steps."""
+    from benchmarks.bench_loras import conversations
+    from benchmarks.bench_real_base import project_lora
+    from nimmer_train.config import LoraConfig, ModelConfig
+
+    convs = conversations(steps * 2)
+    targets = ModelConfig(name="x").lora_target_modules
+    layers = {"every": None, "top": count}
+    runs: dict[str, list[dict]] = {"every": [], "top": []}
+    for i, side in enumerate("every" if s == "float32" else "top" for s in order):  # the same ABBA
+        settings = LoraConfig(
+            max_steps=steps, batch_size=2, max_length=640, warmup_steps=0, save_steps=10**6,
+            dtype="bfloat16", top_layers=layers[side],
+        )  # fmt: skip
+        runs[side].append(project_lora(base, convs, settings, targets, work / f"top{i}")[0])
+    cpu = {k: sum(r["loop_cpu_s"] for r in v) for k, v in runs.items()}
+    loss = {k: round(sum(r["train_loss"] for r in v) / len(v), 4) for k, v in runs.items()}
+    return {
+        "steps": steps,
+        "batch_size": 2,
+        "top_layers": count,
+        "every_layer_loop_cpu_s": round(cpu["every"], 3),
+        "top_layers_loop_cpu_s": round(cpu["top"], 3),
+        "top_over_every_layer_cpu_ratio": round(cpu["top"] / cpu["every"], 3),
+        "train_loss": {"every_layer": loss["every"], "top_layers": loss["top"]},
     }
 
 
@@ -186,12 +221,16 @@ def run(smoke: bool = False) -> dict[str, object]:
             "pretraining_step": _pretraining(base, blocks, seq_len, order),
             "lora_training": _lora(base, root / "work", steps, order),
             **_losses_and_generation(base, rows, new_tokens, order),
+            "lora_top_layers": _top_layers(base, root / "work", steps, 10 if not prefix else 1, order),
         }
     return {
         **{
             f"{prefix}{stage}_bf16_over_fp32_cpu_ratio": figures[stage]["bfloat16_over_float32_cpu_ratio"]
             for stage in ("pretraining_step", "lora_training", "losses", "generation")
         },
+        f"{prefix}lora_top_layers_over_every_layer_cpu_ratio": figures["lora_top_layers"][
+            "top_over_every_layer_cpu_ratio"
+        ],
         **figures,
         "goal": GOAL,
         "model": model,
