@@ -111,6 +111,8 @@ def test_a_well_formed_claim_is_believed(tmp_path: Path, keys: tuple[Path, Path]
         ("rounds_released", [1, 10**30], "rounds_released"),
         ("rounds_released", [True, 2], "rounds_released"),
         ("federation_id", "", "federation_id"),
+        ("federation_id", 7, "federation_id"),  # was silently read as "no federation"
+        ("rounds_released", None, "rounds_released"),  # missing
     ],
     ids=[
         "nan-eps",
@@ -124,6 +126,8 @@ def test_a_well_formed_claim_is_believed(tmp_path: Path, keys: tuple[Path, Path]
         "huge-round",
         "bool-round",
         "empty-id",
+        "int-id",
+        "missing-rounds",
     ],  # fmt: skip
 )
 def test_a_malformed_claim_refuses_its_version_by_name(
