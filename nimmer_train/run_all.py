@@ -26,9 +26,10 @@ stage (``runtime/demo_sessions.speak_demo``), in its MLflow run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,11 +135,10 @@ def run_all(cfg: Config) -> RunAllResult:
         after = sum(before[n] for n in rest) if all(n in before for n in rest) else None
         label = f"run_all {name} ({stages.index(name) + 1}/{len(stages)})"
         try:
-            with stage_watch(label, before.get(name), after):
+            with watched(cfg, name, label, after):
                 return stage()
         finally:
             seconds[name] = time.perf_counter() - started
-            _record_time(cfg, name, seconds[name])
 
     with tracking.stage_run(cfg, "run_all", "run_all"):
         corpus = timed("ingest", lambda: ingest_stage(cfg, pipeline="run_all"))
@@ -190,6 +190,17 @@ def stage_times(cfg: Config) -> dict[str, float]:
     return {**FIRST_RUN.get(cfg.experiment_name, {}), **recorded}
 
 
+@contextlib.contextmanager
+def watched(cfg: Config, stage: str, label: str | None = None, after: float | None = None) -> Iterator[None]:
+    """Progress lines with an ETA while ``stage`` runs (:func:`~nimmer_train.progress.stage_watch`
+    from :func:`stage_times`; ``after``: what the stages after it take), and its time recorded
+    when it ends without an error (run_all's stages, and each pipeline run alone)."""
+    started = time.perf_counter()
+    with stage_watch(label or stage, stage_times(cfg).get(stage), after):
+        yield
+    _record_time(cfg, stage, time.perf_counter() - started)
+
+
 def _record_time(cfg: Config, stage: str, seconds: float) -> None:
     if seconds <= 10:
         return
@@ -199,8 +210,11 @@ def _record_time(cfg: Config, stage: str, seconds: float) -> None:
     except (OSError, ValueError):
         times = {}
     times.setdefault(cfg.experiment_name, {})[stage] = round(seconds, 1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, times)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, times)
+    except OSError:  # only the next run's ETAs depend on it: never fail a stage that did its work
+        pass
 
 
 def _duration(seconds: float) -> str:

@@ -225,6 +225,15 @@ class _Interrupted(KeyboardInterrupt):
         self.stage = stage
 
 
+def _progress(cfg: Config, name: str) -> contextlib.AbstractContextManager[None]:
+    """A pipeline run alone shows progress lines with an ETA while it runs (run_all: per stage)."""
+    if name == "run_all":
+        return contextlib.nullcontext()
+    from nimmer_train.run_all import watched
+
+    return watched(cfg, name)
+
+
 def pipeline(stage: Callable[[Config], object]) -> Callable[[], None]:
     """Turn ``stage(cfg: Config)`` into a Hydra entry point with one-line error reporting.
 
@@ -239,7 +248,8 @@ def pipeline(stage: Callable[[Config], object]) -> Callable[[], None]:
             try:
                 config = _to_config(cfg)
                 tracking.label_job(job_label())
-                with tracking.sweep_parent(config, HydraConfig.get().job.name) as parent:
+                name = HydraConfig.get().job.name
+                with tracking.sweep_parent(config, name) as parent, _progress(config, name):
                     value = stage(config)
                     tracking.log_sweep_objective(parent, value)
                 return value  # a sweeper (Optuna) optimises what the stage returns

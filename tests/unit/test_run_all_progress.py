@@ -4,7 +4,10 @@ took the last time it did work (recorded in paths.artifacts), a stage that found
 
 from __future__ import annotations
 
-from nimmer_train.run_all import FIRST_RUN, TIMES, _record_time, _stages, stage_times
+import contextlib
+
+from nimmer_train import run_all
+from nimmer_train.run_all import FIRST_RUN, TIMES, _record_time, _stages, stage_times, watched
 from tests.helpers.compose import config
 
 
@@ -26,3 +29,14 @@ def test_the_stages_counted_are_the_ones_that_run() -> None:
     assert _stages(cfg) == [*first, "federate", "publish", "speak"]
     off = config("experiment=demo", "federated.enabled=false", "publish.enabled=false")
     assert _stages(off) == first
+
+
+def test_a_stage_that_fails_records_no_time(tmp_path, monkeypatch) -> None:
+    cfg = config("experiment=tiny", "tracking.enabled=false", f"paths.workdir={tmp_path}")
+    clock = iter([0.0, 0.0, 30.0, 100.0, 100.0, 160.0])  # each stage: its start, its end
+    monkeypatch.setattr(run_all.time, "perf_counter", lambda: next(clock, 200.0))
+    with watched(cfg, "publish"):
+        pass
+    with contextlib.suppress(RuntimeError), watched(cfg, "federate"):
+        raise RuntimeError("killed")
+    assert stage_times(cfg) == {"publish": 30.0}
