@@ -36,7 +36,9 @@ Expired and archived crystals, and superseded ones (``valid_to`` set), are left 
 asked for. The vectors live in an in-memory matrix per store (as in vector_index.py) with a
 state per row, kept in step with this process's writes and reloaded when another connection
 has committed (PRAGMA data_version). The scan runs BLAS on one thread: a 100k x 384 product
-took 24 ms with OpenBLAS's two threads on this loaded 2-core machine and 13 ms on one.
+took 24 ms with OpenBLAS's two threads on this loaded 2-core machine and 13 ms on one. From
+``ANN_MIN_ROWS`` rows it scans only the query's nearest k-means cells (memory/vector_cells.py),
+ranked by the exact cosine.
 """
 
 from __future__ import annotations
