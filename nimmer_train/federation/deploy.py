@@ -115,7 +115,9 @@ def closing_lines(settings: FederatedConfig, state: ServerState, work: Path, out
         + (f"; stopped: {state.stopped}" if state.stopped not in (None, "completed") else ""),
         f"epsilon A.1 user-level {label(eps['a1_user_level'])} at delta {settings.delta:g} "
         "(each contributor's guarantee)",
-        f"epsilon A.2 record-level {label(eps['a2_record_level'])} at delta {settings.delta:g} "
+        "epsilon A.2 record-level 0: no A.2 pool was trained on in this federation"
+        if eps["a2_record_level"] == 0
+        else f"epsilon A.2 record-level {label(eps['a2_record_level'])} at delta {settings.delta:g} "
         "(each anonymised example of the A.2 pool)",
         f"the aggregated adapter is in {out}",
     ]
