@@ -254,13 +254,16 @@ def _measure(
         for arm in next(iter(per_register.values()))
     }
     n = len(FACTS) * len(per_register)  # question turns in all, for the add-one ratio
+    ratios = {  # only when both arms ran
+        f"memory_over_memoryless_{rate}_recall_ratio": round(
+            (mean["memory"][f"in_{rate}"] * n + 1) / (mean["memoryless"][f"in_{rate}"] * n + 1), 3
+        )
+        for rate in ("reply", "prompt")
+        if {"memory", "memoryless"} <= mean.keys()
+    }
     return {
-        "memory_over_memoryless_reply_recall_ratio": round(
-            (mean["memory"]["in_reply"] * n + 1) / (mean["memoryless"]["in_reply"] * n + 1), 3
-        ),
-        "memory_over_memoryless_prompt_recall_ratio": round(
-            (mean["memory"]["in_prompt"] * n + 1) / (mean["memoryless"]["in_prompt"] * n + 1), 3
-        ),
+        **ratios,
+        "asks": n,
         "mean": mean,
         "per_register": per_register,
         "setup": {
