@@ -144,15 +144,23 @@ class RunReport:
 
     def __init__(self, client: Any, run_id: str) -> None:
         self.client, self.run_id = client, run_id
+        self.records: list[dict[str, Any]] = []
 
     def __call__(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
         step = int(record["round"])
         for key, value in record.items():
             if isinstance(value, int | float) and not isinstance(value, bool) and key != "round":
                 self.client.log_metric(self.run_id, key, float(value), step=step)
 
     def end(self, status: str) -> None:
-        self.client.set_terminated(self.run_id, status)
+        """The round records as ``federation/rounds.json`` (as the simulated federate stage logs
+        them), then the run's end state."""
+        try:
+            if self.records:
+                self.client.log_dict(self.run_id, self.records, "federation/rounds.json")
+        finally:
+            self.client.set_terminated(self.run_id, status)
 
 
 def report_of(context: Context) -> Report:

@@ -10,6 +10,7 @@ error come from the grid, as a SuperLink's would."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,10 @@ def test_a_finished_federation_is_tagged_parameterised_ended_and_its_log_ends_wi
     assert (tags["stage"], tags["deployment"], tags["federation_id"]) == ("federate", "flower", ident)
     assert tags["register"] == "caste-preacher" and tags["version"] and tags["flower_run_id"] == "7"
     assert run.data.params == {k: str(v) for k, v in run_config.items()}
+    rounds = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "federation/rounds.json")).read_text()
+    )
+    assert [r["round"] for r in rounds][-1] == 1  # the round records, as the simulated stage logs them
     (eps,) = client.get_metric_history(run.info.run_id, "epsilon_a1_user_level")
     assert eps.step == 1  # at its round
     out = Path(tags["published_to"])
