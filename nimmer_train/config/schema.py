@@ -367,7 +367,7 @@ class RuntimeConfig:
     engine: str = "torch"  # Ring A: torch (the float32 reference) | llama (the release's GGUF on llama.cpp)
     quant: str = "q4_1"  # engine=llama: the GGUF base, q4_1 or q8_0 (docs/runtime.md)
     engine_fallback: bool = False  # engine=llama cannot run here: speak in float32, saying so in the turn
-    engine_threads: int = 0  # engine=llama: llama.cpp threads; 0 = every core this process may use
+    engine_threads: int = 0  # engine=llama: llama.cpp threads; 0 = the cores it may use but one
     # the conversation's last turns shown verbatim (runtime/conversation.py): at most this many
     # tokens, within what the ring's context leaves; with max_new_tokens it must fit that context
     conversation_tokens: int = 256

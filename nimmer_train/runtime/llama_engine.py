@@ -21,11 +21,12 @@ from nimmer_train.publish.quantize import REPACKED, file_type, read_base_key
 
 
 def default_threads() -> int:
-    """The cores this process may run on (``runtime.engine_threads: 0``): a player's one NPC
-    turn at a time is latency-bound, and llama.cpp splits each step's matmuls over its threads.
-    Its threads spin while they wait, so on a machine that other work keeps busy fewer can be
-    faster: set runtime.engine_threads (benchmarks/bench_ring_a.py measures 1 against 2)."""
-    return max(1, len(os.sched_getaffinity(0)))
+    """The cores this process may run on but one (``runtime.engine_threads: 0``; at least one):
+    a player's one NPC turn at a time is latency-bound and llama.cpp splits each step over its
+    threads, but they spin while they wait, so a thread that shares its core with other work (the
+    game, here other jobs) stalls every step. Measured on this 2-core machine, Q4_1 SmolLM2 c=1
+    turns at two threads over one: 1.68x slower at load 5, 8.3x at load 8-16."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 class LlamaContext:
