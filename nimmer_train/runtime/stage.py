@@ -171,7 +171,16 @@ def _speak(cfg: Config, model: LocalModel, path: Path, transcripts: Any = None) 
             ring_a = (  # runtime.engine=llama: the version's GGUF on llama.cpp (issue 39)
                 RingA(model)
                 if r.engine == "torch"
-                else RingA.open(releases, model.label, trusted, True, r.engine, r.quant, r.engine_fallback)
+                else RingA.open(
+                    releases,
+                    model.label,
+                    trusted,
+                    True,
+                    r.engine,
+                    r.quant,
+                    r.engine_fallback,
+                    threads=r.engine_threads or None,
+                )
             )
             # nimmer serve serves this version: Ring B's prompt fits the same context, counted by
             # the same tokenizer (its default word estimate let a window overflow the tiny model's)
