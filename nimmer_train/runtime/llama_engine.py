@@ -8,7 +8,7 @@ last prompt is kept per LoRA: a next prompt with the same LoRA reuses its common
 system prompt and the knowledge stack change little between turns), even when turns under other
 LoRAs came between (the context holds one LoRA's KV; the others' are parked as bytes, a few MB
 each). Prefill is most of a quantized turn's time on one thread (165 prompt tokens: about 1.3 s
-of a 1.8 s SmolLM2 Q4_1 turn; 32 decode steps 0.5 s), so reusing 145 of them is the big win."""
+of a 1.8 s SmolLM2 Q4_1 turn, its decode steps 0.5 s), so reusing 145 of them is the big win."""
 
 from __future__ import annotations
 
