@@ -39,6 +39,9 @@ def configure(cfg: TrackingConfig) -> str:
 
 UI_HOST, UI_PORT = "127.0.0.1", 5000
 WORKFLOW_ML = "workflowType=machine_learning"  # the runs table, not the GenAI view
+# sorted by name, the stage runs are rows of their own: by start time (the UI's default) the UI
+# folds nested runs under their run_all parent, so the table would name no stage
+RUNS_TABLE = f"{WORKFLOW_ML}&orderByKey=attributes.run_name&orderByAsc=true"
 
 
 def ui_command(cfg: TrackingConfig, pipeline: str = "run_all") -> str:
@@ -67,8 +70,9 @@ def runs_url(cfg: TrackingConfig, pipeline: str = "run_all", server: str | None 
     found = None
     if not cfg.uri and Path(cfg.store).exists():  # (a missing SQLite store is not created by asking)
         found = _experiment(cfg, f"{cfg.experiment_prefix}-{pipeline}")
-    route = f"experiments/{found.experiment_id}/runs" if found else "experiments"
-    return f"{base}/#/{route}?{WORKFLOW_ML}"
+    if found is None:
+        return f"{base}/#/experiments?{WORKFLOW_ML}"
+    return f"{base}/#/experiments/{found.experiment_id}/runs?{RUNS_TABLE}"
 
 
 def _experiment(cfg: TrackingConfig, name: str) -> Any:

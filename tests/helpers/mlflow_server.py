@@ -35,10 +35,9 @@ def runs_table_url(url: str, experiment_id: str) -> str:
     """An experiment's runs table, every run a row: MLflow 3.17 opens an experiment in its GenAI
     view unless ``workflowType=machine_learning``; sorted by name, nested runs are rows of their
     own rather than folded under their parent."""
-    from nimmer_train.tracking import WORKFLOW_ML
+    from nimmer_train.tracking import RUNS_TABLE
 
-    query = f"{WORKFLOW_ML}&orderByKey=attributes.run_name&orderByAsc=true"
-    return f"{url}/#/experiments/{experiment_id}/runs?{query}"
+    return f"{url}/#/experiments/{experiment_id}/runs?{RUNS_TABLE}"
 
 
 def server_env() -> dict[str, str]:

@@ -165,5 +165,6 @@ def test_the_review_command_opens_the_runs_table(published: tuple[Path, Path], t
     mlflow_bin, *args = command.split()
     assert Path(mlflow_bin).is_absolute() and Path(mlflow_bin).is_file() and args[0] == "ui"
     assert f"sqlite:///{root / 'mlflow.db'}" in args and str(root / "mlartifacts") in args
-    assert url.endswith(f"http://127.0.0.1:5000/#/experiments/{exp}/runs?workflowType=machine_learning")
+    assert url.endswith(f"http://127.0.0.1:5000/#/experiments/{exp}/runs?{tracking.RUNS_TABLE}")
+    assert "workflowType=machine_learning" in url and "orderByKey=attributes.run_name" in url
     assert models.strip().endswith("#/models?workflowType=machine_learning)")
