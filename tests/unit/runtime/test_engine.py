@@ -35,7 +35,7 @@ KNOBS = [
     SamplingKnobs(0.9, 0.95, 40, 1.1, 0.02, max_new_tokens=24),
     SamplingKnobs(1.3, 1.0, 0, 1.0, 0.0, max_new_tokens=16),
     SamplingKnobs(0.4, 0.6, 5, 1.5, 0.1, max_new_tokens=20),
-    SamplingKnobs(1.0, 0.8, 0, 1.2, 0.05, max_new_tokens=12),
+    SamplingKnobs(1.0, 0.8, 0, 1.2, 0.05, max_new_tokens=14),  # (13: the schema's smallest reply)
 ]
 
 

@@ -120,7 +120,7 @@ def test_a_generation_stopped_midway_resumes_from_its_cache(tiny_folder: Path, t
     cfg = TeacherConfig(
         backend="hf_local",
         model_path=str(tiny_folder),
-        max_new_tokens=16,
+        max_new_tokens=24,  # (the masked reply's smallest is 19 tokens: a budget below it is refused)
         batch_size=2,
         cache=str(tmp_path / "cache.sqlite"),
     )
@@ -145,7 +145,7 @@ def test_replies_made_under_other_generation_settings_are_not_reused(
         composition("composition.registers=[drunk-scavenger]", "composition.per_register=2"), load_catalogue()
     )
     cfg = TeacherConfig(
-        backend="hf_local", model_path=str(tiny_folder), max_new_tokens=8, cache=str(tmp_path / "c.sqlite")
+        backend="hf_local", model_path=str(tiny_folder), max_new_tokens=20, cache=str(tmp_path / "c.sqlite")
     )
     cache = ResponseCache(Path(cfg.cache))
     free = make_teacher(TeacherConfig(**{**cfg.__dict__, "json_mode": False}))
