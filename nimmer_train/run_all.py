@@ -46,6 +46,7 @@ from nimmer_train.progress import stage_watch
 from nimmer_train.publish.listing import print_versions
 from nimmer_train.synth.stage import synthesize_stage
 from nimmer_train.synth.synthesize import SynthResult
+from nimmer_train.voice.quality import bar_checks
 
 if TYPE_CHECKING:  # the later stages' imports (peft, trl, flwr) load only when run_all needs them
     from nimmer_train.federation.stage import FederationResult
@@ -239,10 +240,28 @@ def voice_line(label: str, folder: Path) -> str | None:
     known = [r for r in rows if r.get("register_accuracy") is not None]
     weakest = min(known, key=lambda r: r["register_accuracy"]) if known else None
     tail = f", weakest {weakest['register']} {weakest['register_accuracy']:.2f}" if weakest else ""
+    missed = [c["goal"] for c in bar_checks(report) if not c["passed"]] if rows else []
+    verdict = "; bar met" if rows and not missed else f"; bar FAILS: {', '.join(missed)}" if rows else ""
     return (
         f"{label} voices: schema-valid {figure(overall, 'schema_valid')}, English "
         f"{figure(overall, 'english_rate')}, register accuracy {figure(overall, 'register_accuracy')}"
-        f"{tail}, distinct-2 {figure(overall, 'distinct_2')} ({overall.get('turns', '?')} turns)"
+        f"{tail}, distinct-2 {figure(overall, 'distinct_2')} ({overall.get('turns', '?')} turns){verdict}"
+    )
+
+
+def federation_line(metadata: dict[str, Any]) -> str | None:
+    """The federated adapter's held-out gain over its start adapter, with its interval and the
+    A.1 epsilon it was bought at; None when the federation measured no gain."""
+    fed = metadata.get("federation") or {}
+    g = fed.get("heldout_gain")
+    if not g:
+        return None
+    eps = fed.get("epsilon_a1_user_level")
+    at = "no privacy" if fed.get("no_privacy") else f"A.1 epsilon {eps:.2f} at delta {fed.get('delta'):g}"
+    said = " (no gain at this epsilon)" if g["gain"] <= 0 or g["low"] <= 0 else ""
+    return (
+        f"federated {metadata.get('register', 'adapter')} gain {g['gain']:+.3f} nats/token "
+        f"[{g['low']:+.3f}, {g['high']:+.3f}] over its start adapter, {at}{said}"
     )
 
 
@@ -269,6 +288,9 @@ def print_summary(cfg: Config, result: RunAllResult) -> None:
         line = voice_line(version.label, version.folder)
         if line:
             print(f"  {line}")
+    fed_line = federation_line(result.federation.metadata) if result.federation else None
+    if fed_line:
+        print(f"  {fed_line}")
     if result.seconds:
         stages = ", ".join(f"{name} {_duration(s)}" for name, s in result.seconds.items())
         print(f"  stage times: {stages}; total {_duration(sum(result.seconds.values()))}")

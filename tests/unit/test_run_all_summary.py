@@ -7,7 +7,7 @@ import json
 from types import SimpleNamespace
 
 from nimmer_train.errors import NimmerError
-from nimmer_train.run_all import RunAllResult, print_summary, voice_line
+from nimmer_train.run_all import RunAllResult, federation_line, print_summary, voice_line
 from tests.helpers.compose import config
 
 
@@ -43,7 +43,21 @@ def test_the_summary_shows_each_versions_voice_and_the_stage_times(tmp_path, cap
     out = capsys.readouterr().out
     assert (
         "nimmerworld-base-v1 voices: schema-valid 1.00, English 0.98, register accuracy 0.75, weakest "
-        "imperial-ceremony-chorus 0.50, distinct-2 0.61 (40 turns)"
+        "imperial-ceremony-chorus 0.50, distinct-2 0.61 (40 turns); bar FAILS: register accuracy "
+        "(all registers), register accuracy (imperial-ceremony-chorus), replies repeating"
     ) in out
     assert "stage times: ingest 4s, build_base 2m05s; total 2m09s" in out
     assert voice_line("v0", tmp_path / "nowhere") is None
+
+
+def test_the_summary_says_the_federated_gain_with_its_interval_and_epsilon_and_a_gain_at_0_as_none() -> None:
+    gain = {"gain": 0.021, "low": 0.004, "high": 0.037}
+    fed = {"heldout_gain": gain, "epsilon_a1_user_level": 4.57, "delta": 1e-6, "no_privacy": False}
+    line = federation_line({"register": "caste-preacher", "federation": fed})
+    assert line == (
+        "federated caste-preacher gain +0.021 nats/token [+0.004, +0.037] over its start adapter, "
+        "A.1 epsilon 4.57 at delta 1e-06"
+    )
+    fed["heldout_gain"] = {"gain": -0.93, "low": -1.04, "high": -0.82}
+    assert "(no gain at this epsilon)" in federation_line({"register": "r", "federation": fed})
+    assert federation_line({"register": "r", "federation": {"heldout_gain": None}}) is None
