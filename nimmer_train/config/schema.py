@@ -372,6 +372,8 @@ class RuntimeConfig:
     # tokens, within what the ring's context leaves; with max_new_tokens it must fit that context
     conversation_tokens: int = 256
     query_lines: int = 1  # the player's lines before this one that join the memory query (0: none)
+    # memories whose cosine similarity to the turn's query is below this stay out of the prompt
+    memory_min_relevance: float = 0.35
 
     def __post_init__(self) -> None:
         if self.conversation_tokens < 0 or self.query_lines < 0:
@@ -382,6 +384,11 @@ class RuntimeConfig:
             )
         if self.engine_threads < 0:
             raise ConfigError("runtime.engine_threads", f"{self.engine_threads}: use 0 (every core) or more")
+        if not -1.0 <= self.memory_min_relevance <= 1.0:
+            raise ConfigError(
+                "runtime.memory_min_relevance",
+                f"{self.memory_min_relevance}: a cosine similarity, -1 to 1 (-1: every memory retrieved)",
+            )
 
 
 @dataclass

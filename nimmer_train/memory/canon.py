@@ -121,14 +121,17 @@ def assemble(
     local: bool = False,
     exclude: frozenset[str] = frozenset(),  # event_uids left out (the lines already in the prompt)
     item: Callable[[Retrieved], str] = lambda hit: hit.entry.text,  # how a memory shows (dated: turn.py)
+    min_relevance: float = 0.0,  # memories less similar to the query than this are left out
 ) -> MemoryScope:
     """The turn's knowledge stack as the prompt DSL's memory_scope, each layer within its budget.
 
     Layers: world canon known in ``district``, that district's own canon, the player's primary
     memories for ``query``, and in IN_BETWEEN mode the clasp memories too, but only when the
     prompt stays on the device (``local``: an in-process ring, Ring A). For any other ring the
-    clasp store is not even read: the clasp has no transport path. Deterministic for a given
-    store, tick and query.
+    clasp store is not even read: the clasp has no transport path. Memories whose relevance
+    (cosine similarity to the query) is below ``min_relevance`` stay out however recent or
+    important: a small model echoes whatever the stack holds, so an unrelated memory is noise in
+    its reply, not context. Deterministic for a given store, tick and query.
     """
     unknown = set(budgets) - {"world", "district", "primary", "clasp"}
     if unknown:
@@ -139,6 +142,7 @@ def assemble(
     }
     with_clasp = mode is Mode.IN_BETWEEN and local
     hits = memory.retrieve(query, k=k, mode=mode if with_clasp else Mode.REALWORLD, exclude=exclude)
+    hits = [h for h in hits if h.relevance >= min_relevance]
     layers["primary"] = [item(h) for h in hits if h.store == "primary"]
     if with_clasp:
         layers["clasp"] = [item(h) for h in hits if h.store == "clasp"]

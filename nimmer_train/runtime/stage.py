@@ -199,6 +199,7 @@ def _speak(cfg: Config, model: LocalModel, path: Path, transcripts: Any = None) 
                 conversations=conversations,
                 conversation_tokens=r.conversation_tokens,
                 query_lines=r.query_lines,
+                min_relevance=r.memory_min_relevance,
             )
             for register in sorted(registers):
                 traits = cfg.registers.get(register).traits

@@ -130,8 +130,9 @@ class NpcRuntime:
         conversations: Any = None,  # a runtime.conversation.Conversations; None: no realworld window
         conversation_tokens: int = 512,  # the most tokens the conversation window may take
         query_lines: int = 1,  # the player's lines before this one that join the memory query (0: none)
+        min_relevance: float = 0.0,  # memories less similar to the turn's query stay out of the prompt
     ) -> None:
-        self.query_lines = query_lines
+        self.query_lines, self.min_relevance = query_lines, min_relevance
         self.max_new_tokens = max_new_tokens
         self.conversations, self.conversation_tokens = conversations, conversation_tokens
         # lines whose memory write failed and that have no durable outbox (in-between ones, or
@@ -201,6 +202,7 @@ class NpcRuntime:
             local=local,
             exclude=exclude,
             item=lambda hit: _dated(hit, req.npc),
+            min_relevance=self.min_relevance,
         )
 
     def speak(self, req: TurnRequest, mode: Any = None) -> Turn:

@@ -425,3 +425,20 @@ def test_synthetic_players_are_seeded_and_the_cli_inspects_them(tmp_path: Path, 
         report["primary.sqlite"]["entries"] == a["primary"] and report["primary.sqlite"]["integrity"] == "ok"
     )
     assert "not inspectable" in report["clasp"]
+
+
+def test_memories_below_the_relevance_floor_stay_out_of_the_stack_however_recent(tmp_path: Path) -> None:
+    from nimmer_train.memory.canon import assemble
+
+    memory = _memory(tmp_path / "p")
+    memory.write("Marta owes the scavenger three bolts.", "npc", "working", "casual_dialog")
+    memory.write("The wind keeps knocking the signs down.", "npc", "working", "casual_dialog")
+    query, budgets = "what does Marta owe the scavenger", {"primary": 100}
+    hits = {h.entry.text: h.relevance for h in memory.retrieve(query, k=8)}
+    near, far = hits["Marta owes the scavenger three bolts."], hits["The wind keeps knocking the signs down."]
+    assert near > far  # the floor below is set between them
+    every = assemble(memory, "core", query, Mode.REALWORLD, budgets)
+    assert len(every.items) == 2
+    sure = assemble(memory, "core", query, Mode.REALWORLD, budgets, min_relevance=(near + far) / 2)
+    assert sure.items == ("Marta owes the scavenger three bolts.",)
+    assert assemble(memory, "core", query, Mode.REALWORLD, budgets, min_relevance=near + 1e-6).items == ()

@@ -32,6 +32,12 @@ def test_a_negative_window_budget_is_refused_by_the_schema() -> None:
         config("runtime.conversation_tokens=-1")
 
 
+def test_a_relevance_floor_outside_cosines_range_is_refused_naming_the_key() -> None:
+    assert config().runtime.memory_min_relevance == 0.35
+    with pytest.raises(ConfigError, match=r"runtime\.memory_min_relevance: 1.5: a cosine similarity"):
+        config("runtime.memory_min_relevance=1.5")
+
+
 @pytest.mark.slow
 def test_the_speak_stage_npcs_remember_earlier_turns(tmp_path: Path) -> None:
     # one register on a tiny model with room for a window (at 512 positions the bare prompt and
