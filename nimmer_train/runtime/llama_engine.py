@@ -153,6 +153,38 @@ class LlamaContext:
         """The logits after one more token."""
         return self._decode([token])
 
+    def token_losses(self, tokens: list[int], register: str | None) -> np.ndarray:
+        """Teacher-forced: the loss (nats) of each token given those before it under
+        ``register``'s LoRA, NaN at position 0 (as ``loras.train.token_losses`` places them), from
+        one decode that keeps every position's logits. The KV cache is left empty (the next
+        prompt is decoded whole)."""
+        lib, ffi = self.lib, self.ffi
+        n = len(tokens)
+        if not 1 < n <= self.n_ctx:
+            raise NimmerError(f"{n} tokens: teacher forcing needs 2 to {self.n_ctx}")
+        self._use(register)
+        lib.llama_kv_self_seq_rm(self.ctx, 0, -1, -1)
+        self.cached = []
+        batch = lib.llama_batch_init(n, 0, 1)
+        try:
+            for i, token in enumerate(tokens):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, 1
+                batch.seq_id[i][0] = 0
+            batch.n_tokens = n
+            rc = lib.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise NimmerError(f"llama_decode failed (code {rc})")
+            out = lib.llama_get_logits(self.ctx)
+            logits = np.frombuffer(ffi.buffer(out, n * self.n_vocab * 4), dtype=np.float32)
+            logits = logits.reshape(n, self.n_vocab)[:-1].astype(np.float64)
+        finally:
+            lib.llama_batch_free(batch)
+            lib.llama_kv_self_seq_rm(self.ctx, 0, -1, -1)
+        top = logits.max(axis=1, keepdims=True)
+        logz = (top + np.log(np.exp(logits - top).sum(axis=1, keepdims=True)))[:, 0]
+        picked = logits[np.arange(n - 1), tokens[1:]]
+        return np.concatenate([[np.nan], logz - picked])
+
     def close(self) -> None:
         lib = self.lib
         with lock():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from nimmer_train.publish.manifest import IntegrityError
@@ -132,3 +133,24 @@ def test_a_tampered_quantized_file_never_falls_back(published: tuple[Path, Path]
     target.write_bytes(target.read_bytes()[:-1])
     with pytest.raises(IntegrityError, match=rf"quantized/{target.name}"):
         RingA.open(copy, "v1", trusted, engine="llama", fallback=True)
+
+
+def test_teacher_forced_losses_are_each_positions_next_token_loss_as_decoding_sees_it(
+    published: tuple[Path, Path],
+) -> None:
+    releases, trusted = published
+    model = QuantizedModel.open(releases, "v1", trusted, "q8_0", threads=1)
+    try:
+        name = model.registers[0]
+        ids = model.prompt_ids(render_compact(_prompt(name)[0]))[:40]
+        losses = model.context.token_losses(ids, name)
+        assert losses.shape == (len(ids),) and np.isnan(losses[0]) and np.isfinite(losses[1:]).all()
+        for i in (1, 17, len(ids) - 1):  # the same loss from the incremental path
+            logits = model.context.prefill(ids[:i], name).astype(np.float64)
+            expected = np.log(np.exp(logits - logits.max()).sum()) + logits.max() - logits[ids[i]]
+            assert losses[i] == pytest.approx(expected, rel=2e-3)  # batch and step kernels round apart
+        other = next((r for r in model.registers if r != name), None)
+        if other is not None:  # the LoRA is applied: another register's losses differ
+            assert not np.allclose(model.context.token_losses(ids, other)[1:], losses[1:])
+    finally:
+        model.close()
