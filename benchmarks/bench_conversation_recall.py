@@ -11,7 +11,10 @@ player folder:
   memory);
 - ``window``: the conversation's last turns verbatim (``conversation_tokens``), no memory;
 - ``memory``: the window and the player's memory (all-MiniLM-L6-v2, the knowledge stack queried
-  by the player's line and the last lines, the window's own lines left out).
+  by the player's line and the last lines, the window's own lines left out, memories below
+  ``runtime.memory_min_relevance`` left out);
+- ``memory_no_floor``: the same with every retrieved memory the budget holds (the stack before
+  the relevance floor).
 
 Two rates per arm, over the five question turns:
 
@@ -97,9 +100,17 @@ SMALL_TALK = (
 SCENE = "the lower ring at dusk, by the water gate"
 # a published version to measure instead (its trained register LoRAs): "releases,trusted_keys,version"
 RELEASE_ENV = "NIMMER_RECALL_RELEASE"
-# (arm, query_lines): the memory arm queries with the player's line and the one before it (the
-# runtime's default); its twin with the player's line alone
-ARMS = (("memoryless", 1), ("window", 1), ("memory", 1), ("memory_last_line_query", 0))
+# (arm, query_lines, relevance floor): the memory arm queries with the player's line and the one
+# before it and keeps the memories at or above runtime.memory_min_relevance (the runtime's
+# defaults); its twins with the player's line alone, and with every retrieved memory (no floor)
+FLOOR = None  # runtime.memory_min_relevance's default
+ARMS = (
+    ("memoryless", 1, FLOOR),
+    ("window", 1, FLOOR),
+    ("memory", 1, FLOOR),
+    ("memory_last_line_query", 0, FLOOR),
+    ("memory_no_floor", 1, -1.0),
+)
 
 
 def script() -> tuple[list[str], list[tuple[int, str]]]:
@@ -143,9 +154,17 @@ def _says(text: str, word: str) -> bool:
 
 
 def _converse(
-    ring: Any, register: str, folder: Path, arm: str, tokens: int, window: int, query_lines: int
+    ring: Any,
+    register: str,
+    folder: Path,
+    arm: str,
+    tokens: int,
+    window: int,
+    query_lines: int,
+    floor: float | None = FLOOR,
 ) -> dict:
     """One 30-turn conversation in ``arm``; the rates over its question turns."""
+    from nimmer_train.config.schema import RuntimeConfig
     from nimmer_train.memory.embedding import SentenceEmbedder
     from nimmer_train.memory.sync import open_player
     from nimmer_train.runtime.conversation import Conversations
@@ -170,6 +189,7 @@ def _converse(
         conversations=conversations,
         conversation_tokens=window,
         query_lines=query_lines,
+        min_relevance=RuntimeConfig.memory_min_relevance if floor is None else floor,
     )
     lines, questions = script()
     started, errors = time.perf_counter(), 0
@@ -211,7 +231,7 @@ def _measure(
     tokens: int,
     window: int,
     release: tuple[Path, Path, str] | None = None,
-    arms_run: tuple[tuple[str, int], ...] = ARMS,
+    arms_run: tuple[tuple[str, int, float | None], ...] = ARMS,
 ) -> dict:
     """The arms per register; on ``release`` (releases folder, trusted keys, version: a version
     published with trained register LoRAs, e.g. make demo's), else on ``real`` or the tiny base
@@ -237,10 +257,10 @@ def _measure(
         ring = RingA(model)
         for register in registers:
             arms = {}
-            for arm, query_lines in arms_run:
+            for arm, query_lines, floor in arms_run:
                 kind = "memory" if arm.startswith("memory_") else arm
                 folder = root / "players" / register / arm
-                arms[arm] = _converse(ring, register, folder, kind, tokens, window, query_lines)
+                arms[arm] = _converse(ring, register, folder, kind, tokens, window, query_lines, floor)
                 brief = {k: v for k, v in arms[arm].items() if k != "replies_at_questions"}
                 print(f"  {register} {arm}: {brief}", flush=True)
             per_register[register] = arms

@@ -28,6 +28,7 @@ from typing import Any
 
 from nimmer_train.agent.ingestion import Exchange
 from nimmer_train.config.providers import route
+from nimmer_train.config.schema import RuntimeConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.canon import assemble
 from nimmer_train.memory.entries import InvalidEntry
@@ -130,7 +131,8 @@ class NpcRuntime:
         conversations: Any = None,  # a runtime.conversation.Conversations; None: no realworld window
         conversation_tokens: int = 512,  # the most tokens the conversation window may take
         query_lines: int = 1,  # the player's lines before this one that join the memory query (0: none)
-        min_relevance: float = 0.0,  # memories less similar to the turn's query stay out of the prompt
+        # memories less similar (cosine) to the turn's query stay out of the prompt (-1: none do)
+        min_relevance: float = RuntimeConfig.memory_min_relevance,
     ) -> None:
         self.query_lines, self.min_relevance = query_lines, min_relevance
         self.max_new_tokens = max_new_tokens
