@@ -28,7 +28,6 @@ from typing import Any
 
 from nimmer_train.agent.ingestion import Exchange
 from nimmer_train.config.providers import route
-from nimmer_train.config.schema import RuntimeConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.canon import assemble
 from nimmer_train.memory.entries import InvalidEntry
@@ -131,8 +130,10 @@ class NpcRuntime:
         conversations: Any = None,  # a runtime.conversation.Conversations; None: no realworld window
         conversation_tokens: int = 512,  # the most tokens the conversation window may take
         query_lines: int = 1,  # the player's lines before this one that join the memory query (0: none)
-        # memories less similar (cosine) to the turn's query stay out of the prompt (-1: none do)
-        min_relevance: float = RuntimeConfig.memory_min_relevance,
+        # memories less similar to the turn's query stay out of the prompt; the floor is in the
+        # embedder's similarity (the speak stage passes runtime.memory_min_relevance, set for
+        # all-MiniLM-L6-v2's cosine); -1: every retrieved memory the budgets hold
+        min_relevance: float = -1.0,
     ) -> None:
         self.query_lines, self.min_relevance = query_lines, min_relevance
         self.max_new_tokens = max_new_tokens
