@@ -113,6 +113,34 @@ class Evaluation:
             }
         )
 
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any], samples: list[dict[str, Any]]) -> Evaluation:
+        """The evaluation :meth:`summary` wrote (a null figure back to NaN) and its samples."""
+
+        def figure(value: float | None) -> float:
+            return float("nan") if value is None else float(value)
+
+        def estimate(e: dict[str, Any]) -> Estimate:
+            return Estimate(figure(e["value"]), figure(e["low"]), figure(e["high"]))
+
+        def scores(s: dict[str, Any]) -> Scores:
+            matrix = {
+                data: {
+                    col: Cell(figure(c["loss"]), figure(c["low"]), figure(c["high"]), c["n"], c["tokens"])
+                    for col, c in row.items()
+                }
+                for data, row in s["matrix"].items()
+            }
+            margins = {r: estimate(m) for r, m in s["margins"].items()}
+            sep, gain = estimate(s["separability"]), estimate(s["mean_gain"])
+            return Scores(s["registers"], matrix, sep, gain, margins)
+
+        return cls(
+            list(summary["registers"]),
+            {name: {c: scores(v) for c, v in by.items()} for name, by in summary["scores"].items()},
+            list(samples),
+        )
+
     def metrics(self) -> dict[str, float]:
         """Flat MLflow metrics per ``<set>.<class>``: ``separability.`` and ``mean_gain.`` (with
         ``_low`` / ``_high``), ``margin.<...>.<register>`` (also with both), ``loss.<...>.<register>.own`` and

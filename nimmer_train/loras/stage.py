@@ -6,6 +6,7 @@ separability and mean gain on utterance tokens with bootstrap intervals, sample 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,11 +77,7 @@ def train_loras_stage(
             for set_name in EVAL_SETS:
                 heldout[set_name][name] = data.heldout[set_name]
         if any(heldout[HEADLINE[0]].values()):
-            evaluation = evaluate(inputs.base_dir, adapters, heldout, cfg.registers, settings)
-            write_json_atomic(
-                inputs.root / EVALUATION,
-                {"adapters": {n: p.name for n, p in adapters.items()}, **evaluation.summary()},
-            )
+            evaluation = _evaluation(inputs, adapters, heldout, cfg)
             if parent:
                 _log_evaluation(evaluation)
         if parent:
@@ -95,6 +92,34 @@ def train_loras_stage(
             f"over base {gain.value:.3f} [{gain.low:.3f}, {gain.high:.3f}] (n: {n})"
         )
     return LoraResult(inputs.root, adapters, skipped, evaluation)
+
+
+def _evaluation(
+    inputs: _Inputs, adapters: dict[str, Path], heldout: dict[str, dict[str, list]], cfg: Config
+) -> Evaluation:
+    """The held-out matrix of ``adapters``: the one ``evaluation.json`` holds when it scored these
+    very adapters (their folders are named by fingerprints that cover their data and recipe) on
+    this base with the same evaluation settings, so a rerun does no work; else measured and
+    written there."""
+    s = cfg.lora
+    key = {
+        "adapters": {n: p.name for n, p in adapters.items()},
+        "base": inputs.base_dir.name,
+        "settings": {"eval_max_examples": s.eval_max_examples, "max_length": s.max_length, "dtype": s.dtype},
+    }
+    path = inputs.root / EVALUATION
+    try:
+        kept = json.loads(path.read_text())
+        if kept.get("key") == key:
+            log.info("held-out matrix of these adapters is up to date in %s; not measured again", path)
+            return Evaluation.from_summary(kept, kept["samples"])
+    except (OSError, ValueError, KeyError, TypeError):  # none, or written before the key: measure
+        pass
+    evaluation = evaluate(inputs.base_dir, adapters, heldout, cfg.registers, s)
+    write_json_atomic(
+        path, {"adapters": key["adapters"], "key": key, **evaluation.summary(), "samples": evaluation.samples}
+    )
+    return evaluation
 
 
 @dataclass(frozen=True)

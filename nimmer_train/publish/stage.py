@@ -111,6 +111,8 @@ def _evaluation(adapters: list[Path], loras: LoraResult | None) -> dict | None:
         return None
     evaluation = json.loads(found.read_text())
     names = {json.loads((a / METADATA).read_text())["register"]: a.name for a in adapters}
+    for kept_for_reruns in ("key", "samples"):  # the LoRA stage's, not the card's
+        evaluation.pop(kept_for_reruns, None)
     return evaluation if evaluation.pop("adapters", None) == names else None
 
 

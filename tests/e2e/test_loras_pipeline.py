@@ -1,13 +1,16 @@
 """train_loras as a pipeline run on experiment=ci_tiny: a killed run resumes its adapter and does
-not retrain finished ones, registers with too little data are skipped, QLoRA refuses without CUDA."""
+not retrain finished ones (nor measure their held-out matrix again), registers with too little
+data are skipped, QLoRA refuses without CUDA."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from nimmer_train.loras.evaluation import Evaluation
 from tests.helpers.outputs import adapters as _adapters
 from tests.helpers.outputs import only as _only
 from tests.helpers.pipelines import kill_when, run_pipeline
@@ -36,6 +39,14 @@ def test_killed_adapter_resumes_and_finished_ones_are_not_retrained(tiny_run: Pa
     assert "adapter hivemind-broadcast is up to date" in rerun.stdout + rerun.stderr
     assert "drunk-scavenger: resuming from" in rerun.stdout + rerun.stderr
     assert set(_adapters(tmp_path)) == set(TWO)
+
+    # a run with nothing to train measures nothing: the held-out matrix is the one kept, whole
+    kept = json.loads(next(loras.glob("*/evaluation.json")).read_text())
+    again = run_pipeline("train_loras", tmp_path, *common)
+    assert "held-out matrix of these adapters is up to date" in again.stdout + again.stderr
+    assert json.loads(next(loras.glob("*/evaluation.json")).read_text()) == kept
+    summary = {k: v for k, v in kept.items() if k not in ("adapters", "key", "samples")}
+    assert Evaluation.from_summary(kept, kept["samples"]).summary() == summary
 
 
 def test_registers_with_too_little_data_are_skipped(tiny_run: Path) -> None:
