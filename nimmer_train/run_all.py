@@ -73,14 +73,14 @@ QUICK = "make demo EXPERIMENT=tiny"  # the scratch preset: every stage in minute
 # each stage's seconds on a quiet 2-core machine, estimated (docs/config.md#experiment-presets):
 # the ETAs of a first run, before any was recorded (stage_times)
 FIRST_RUN: dict[str, dict[str, float]] = {
-    "demo": {
-        "ingest": 6,
+    "demo": {  # timed on a fresh clone of 4707f98 (docs/config.md#experiment-presets)
+        "ingest": 3,
         "synthesize": 2,
-        "build_base": 175,
-        "train_loras": 955,
-        "federate": 240,
-        "publish": 240,
-        "speak": 180,
+        "build_base": 136,
+        "train_loras": 813,
+        "federate": 192,
+        "publish": 119,
+        "speak": 125,
     },
 }
 REAL_BASE_MEMORY_GIB = 6.0  # a pretrained base (SmolLM2-135M): training, the federation's nodes, serving
@@ -182,7 +182,7 @@ TIMES = "run_all_seconds.json"  # in paths.artifacts: what each stage took when 
 def stage_times(cfg: Config) -> dict[str, float]:
     """What each stage of this experiment took the last time it did work (over 10 s: a stage that
     found its output takes less), which the progress lines' ETAs are estimated from; the demo's
-    first run on a quiet 2-core machine as estimated in docs/config.md#experiment-presets where
+    first run on a quiet 2-core machine as timed in docs/config.md#experiment-presets where
     none was recorded."""
     try:
         recorded = json.loads((cfg.paths.artifacts_dir() / TIMES).read_text()).get(cfg.experiment_name, {})
