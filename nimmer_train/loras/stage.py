@@ -6,6 +6,7 @@ separability and mean gain on utterance tokens with bootstrap intervals, sample 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -16,7 +17,15 @@ import mlflow
 from datasets import load_from_disk
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import MANIFEST, intact_manifest, lora_path, loras_path, write_json_atomic
+from nimmer_train.artifacts import (
+    MANIFEST,
+    fingerprint,
+    intact_manifest,
+    lora_path,
+    loras_path,
+    source_fingerprint,
+    write_json_atomic,
+)
 from nimmer_train.base.build import plan
 from nimmer_train.config import Config
 from nimmer_train.corpus.ingest import IngestResult, find_corpus
@@ -97,29 +106,55 @@ def train_loras_stage(
 def _evaluation(
     inputs: _Inputs, adapters: dict[str, Path], heldout: dict[str, dict[str, list]], cfg: Config
 ) -> Evaluation:
-    """The held-out matrix of ``adapters``: the one ``evaluation.json`` holds when it scored these
-    very adapters (their folders are named by fingerprints that cover their data and recipe) on
-    this base with the same evaluation settings, so a rerun does no work; else measured and
-    written there."""
-    s = cfg.lora
-    key = {
-        "adapters": {n: p.name for n, p in adapters.items()},
-        "base": inputs.base_dir.name,
-        "settings": {"eval_max_examples": s.eval_max_examples, "max_length": s.max_length, "dtype": s.dtype},
-    }
+    """The held-out matrix of ``adapters``: the one ``evaluation.json`` holds when its key matches
+    (:func:`_evaluation_key`: the adapters' and the base's bytes, the code that scores and samples,
+    the settings), so a rerun does no work; else measured and written there."""
+    key = _evaluation_key(inputs, adapters, cfg)
     path = inputs.root / EVALUATION
     try:
         kept = json.loads(path.read_text())
-        if kept.get("key") == key:
-            log.info("held-out matrix of these adapters is up to date in %s; not measured again", path)
-            return Evaluation.from_summary(kept, kept["samples"])
-    except (OSError, ValueError, KeyError, TypeError):  # none, or written before the key: measure
+        if isinstance(kept, dict) and kept.get("key") == key:
+            evaluation = Evaluation.from_summary(kept, kept["samples"])
+            if set(evaluation.scores) == set(EVAL_SETS) and all(
+                set(by) == set(TOKEN_CLASSES) for by in evaluation.scores.values()
+            ):
+                log.info("held-out matrix of these adapters is up to date in %s; not measured again", path)
+                return evaluation
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or not the stage's own
         pass
-    evaluation = evaluate(inputs.base_dir, adapters, heldout, cfg.registers, s)
+    evaluation = evaluate(inputs.base_dir, adapters, heldout, cfg.registers, cfg.lora)
+    names = {n: p.name for n, p in adapters.items()}
     write_json_atomic(
-        path, {"adapters": key["adapters"], "key": key, **evaluation.summary(), "samples": evaluation.samples}
+        path, {"adapters": names, "key": key, **evaluation.summary(), "samples": evaluation.samples}
     )
     return evaluation
+
+
+def _evaluation_key(inputs: _Inputs, adapters: dict[str, Path], cfg: Config) -> dict[str, Any]:
+    """What a held-out matrix depends on: each adapter's and the base's manifest (their files'
+    sha256: a retrained adapter under the same name differs), the code that scores the matrix
+    and samples the replies, the evaluation settings and the register catalogue (the samples'
+    knobs)."""
+    from nimmer_train.loras import evaluation
+    from nimmer_train.voice import prompt_dsl, registers, sampling, structured
+
+    def manifest_sha(folder: Path) -> str | None:
+        try:
+            return hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest()
+        except OSError:
+            return None
+
+    s = cfg.lora
+    return {
+        "adapters": {n: [p.name, manifest_sha(p)] for n, p in adapters.items()},
+        "base": [inputs.base_dir.name, manifest_sha(inputs.base_dir)],
+        "code": source_fingerprint(evaluation, prompt_dsl, sampling, structured, registers),
+        "settings": {
+            k: getattr(s, k)
+            for k in ("eval_max_examples", "max_length", "dtype", "seed", "sample_max_new_tokens")
+        },
+        "registers": fingerprint(dataclasses.asdict(cfg.registers)),
+    }
 
 
 @dataclass(frozen=True)
