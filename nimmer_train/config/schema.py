@@ -387,7 +387,7 @@ class RuntimeConfig:
         if not -1.0 <= self.memory_min_relevance <= 1.0:
             raise ConfigError(
                 "runtime.memory_min_relevance",
-                f"{self.memory_min_relevance}: a cosine similarity, -1 to 1 (-1: every memory retrieved)",
+                f"{self.memory_min_relevance}: a cosine similarity, -1 to 1 (0 or below: every memory retrieved)",
             )
 
 

@@ -121,7 +121,7 @@ def assemble(
     local: bool = False,
     exclude: frozenset[str] = frozenset(),  # event_uids left out (the lines already in the prompt)
     item: Callable[[Retrieved], str] = lambda hit: hit.entry.text,  # how a memory shows (dated: turn.py)
-    min_relevance: float = 0.0,  # memories less similar to the query than this are left out
+    min_relevance: float = -1.0,  # memories less similar to the query than this are left out
 ) -> MemoryScope:
     """The turn's knowledge stack as the prompt DSL's memory_scope, each layer within its budget.
 
@@ -141,8 +141,9 @@ def assemble(
         "district": _canon_layer(memory, district, ("district", "local")),
     }
     with_clasp = mode is Mode.IN_BETWEEN and local
-    hits = memory.retrieve(query, k=k, mode=mode if with_clasp else Mode.REALWORLD, exclude=exclude)
-    hits = [h for h in hits if h.relevance >= min_relevance]
+    hits = memory.retrieve(
+        query, k=k, mode=mode if with_clasp else Mode.REALWORLD, exclude=exclude, min_relevance=min_relevance
+    )
     layers["primary"] = [item(h) for h in hits if h.store == "primary"]
     if with_clasp:
         layers["clasp"] = [item(h) for h in hits if h.store == "clasp"]

@@ -223,10 +223,13 @@ class PlayerMemory:
         classes: Iterable[str] | None = None,
         categories: Iterable[str] | None = None,
         exclude: Iterable[str] = (),
+        min_relevance: float = -1.0,
     ) -> list[Retrieved]:
         """The top ``k`` entries for ``query`` by the combined score, from the stores ``mode`` allows;
         entries whose event_uid is in ``exclude`` (e.g. lines already in the prompt's conversation
-        window) are neither returned nor marked accessed."""
+        window) or whose relevance is below ``min_relevance`` are neither returned nor marked
+        accessed (the floor applies before the top ``k``: a recent entry below it never takes a
+        relevant one's place)."""
         mode = as_mode(mode)
         vector = query if isinstance(query, np.ndarray) else self.embedder.embed([query])[0]
         stores = ["primary", "clasp"] if mode is Mode.IN_BETWEEN else ["primary"]
@@ -239,6 +242,8 @@ class PlayerMemory:
                 if entry.event_uid in skip:
                     continue
                 relevance = max(0.0, 1.0 - distance)
+                if relevance < min_relevance:
+                    continue
                 hours = max(0.0, now - (entry.last_access or entry.created_at)) / 3600
                 recency = self.weights.recency_decay_per_hour**hours
                 score = (
