@@ -12,6 +12,7 @@ from typing import Any
 import uvicorn
 
 from nimmer_train.cli.common import trusted_keys
+from nimmer_train.config.schema import RuntimeConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.runtime.local_model import EngineSettings, LocalModel
 from nimmer_train.runtime.openai_server import Reload, create_app, model_ids
@@ -61,7 +62,7 @@ def register(serve: argparse.ArgumentParser) -> None:
         "per process, or low concurrency on a CPU; docs/runtime.md)",
     )
     serve.add_argument(
-        "--quant", choices=("q4_1", "q8_0"), default="q4_1", help="--engine llama: the GGUF base"
+        "--quant", choices=("q4_1", "q8_0"), default=RuntimeConfig.quant, help="--engine llama: the GGUF base"
     )
     serve.add_argument(
         "--stream-interval",

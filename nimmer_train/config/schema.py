@@ -364,8 +364,11 @@ class RuntimeConfig:
     patience: int = 3  # ... on this many consecutive turns
     max_new_tokens: int = 224  # every training reply fits, within bounded()'s caps too (docs/config.md)
     seed: int = 0
-    engine: str = "torch"  # Ring A: torch (the float32 reference) | llama (the release's GGUF on llama.cpp)
-    quant: str = "q4_1"  # engine=llama: the GGUF base, q4_1 or q8_0 (docs/runtime.md)
+    # Ring A: llama (the release's GGUF on llama.cpp, issue 39) | torch (the float32 reference)
+    engine: str = "llama"
+    # engine=llama: the GGUF base, q8_0 or q4_1; q8_0 is the smaller one that holds voice parity
+    # with float32 (bench_voice_parity: q4_1's held-out loss is 6 % above float32's, docs/runtime.md)
+    quant: str = "q8_0"
     engine_fallback: bool = False  # engine=llama cannot run here: speak in float32, saying so in the turn
     engine_threads: int = 0  # engine=llama: llama.cpp threads; 0 = the cores it may use but one
     # the conversation's last turns shown verbatim (runtime/conversation.py): at most this many
@@ -387,7 +390,8 @@ class RuntimeConfig:
         if not -1.0 <= self.memory_min_relevance <= 1.0:
             raise ConfigError(
                 "runtime.memory_min_relevance",
-                f"{self.memory_min_relevance}: a cosine similarity, -1 to 1 (0 or below: every memory retrieved)",
+                f"{self.memory_min_relevance}: a cosine similarity, -1 to 1 "
+                "(0 or below: every memory retrieved)",
             )
 
 

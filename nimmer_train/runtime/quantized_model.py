@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from nimmer_train.config.schema import RuntimeConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.publish.signing import Keyring
 from nimmer_train.publish.versions import VerifiedVersion, _copy_verified, open_version
@@ -63,7 +64,11 @@ class QuantizedModel(VersionSpeaker):
     """One verified version on llama.cpp: the same ``generate`` as :class:`LocalModel`."""
 
     def __init__(
-        self, version: VerifiedVersion, quant: str = "q4_1", threads: int | None = None, n_ctx: int = 4096
+        self,
+        version: VerifiedVersion,
+        quant: str = RuntimeConfig.quant,
+        threads: int | None = None,
+        n_ctx: int = 4096,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -94,7 +99,12 @@ class QuantizedModel(VersionSpeaker):
 
     @classmethod
     def open(
-        cls, releases: Path, name: str, trusted_keys: Path, quant: str = "q4_1", threads: int | None = None
+        cls,
+        releases: Path,
+        name: str,
+        trusted_keys: Path,
+        quant: str = RuntimeConfig.quant,
+        threads: int | None = None,
     ) -> QuantizedModel:
         return cls(open_version(releases, name, Keyring.load(trusted_keys)), quant, threads)
 

@@ -32,6 +32,7 @@ from nimmer_train.config.providers import (
     check_tier_ring,
 )
 from nimmer_train.config.providers import config_warnings as provider_warnings
+from nimmer_train.config.schema import RuntimeConfig
 from nimmer_train.errors import ConfigError, NimmerError
 from nimmer_train.synth.teacher.backends import chat_completion_reply, make_teacher
 from nimmer_train.synth.teacher.base import TeacherFatalError
@@ -158,7 +159,7 @@ class RingA:
         trusted_keys: Any,
         constrained: bool = True,
         engine: str = "torch",
-        quant: str = "q4_1",
+        quant: str = RuntimeConfig.quant,
         fallback: bool = False,
         threads: int | None = None,
     ) -> RingA:

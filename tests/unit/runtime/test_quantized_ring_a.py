@@ -1,5 +1,5 @@
-"""Ring A on the quantized engine (``RingA.open(engine="llama")``: the release's Q4_1 GGUF and
-GGUF register LoRAs on llama.cpp): every turn schema-valid under the project's grammar, the
+"""Ring A on the quantized engine (``RingA.open(engine="llama")``: the release's GGUF base, Q8_0
+by default, and GGUF register LoRAs on llama.cpp): every turn schema-valid under the project's grammar, the
 register's LoRA applied, seeded turns repeatable, temperature 0 the logits' top token; it stays
 the in-process ring (the only one given clasp memory); a version or engine it cannot run falls
 back to float32 only when allowed, saying so in every reply; a tampered file never falls back."""
@@ -51,7 +51,7 @@ def test_every_quantized_ring_a_turn_is_schema_valid_with_its_register_lora(
     releases, trusted = published
     ring = RingA.open(releases, "v1", trusted, engine="llama")
     try:
-        assert isinstance(ring.model, QuantizedModel) and ring.model.quant == "q4_1"
+        assert isinstance(ring.model, QuantizedModel) and ring.model.quant == "q8_0"  # the default
         assert ring.local and ring.constrained  # the in-process ring: the only one given clasp memory
         for name in ring.model.registers:
             prompt, spec = _prompt(name)
