@@ -143,7 +143,7 @@ def test_a_model_llama_cpp_cannot_quantize_ships_its_base_in_f16(tmp_path: Path)
     releases, trusted = publish_registers(tmp_path, registers=(REGISTER,), model=odd)  # ci_tiny's widths
     section = json.loads((releases / V1 / "manifest.json").read_text())["quantized"]
     assert section["bases"] == {"f16": "quantized/base.f16.gguf"} and list(section["loras"]) == [REGISTER]
-    with pytest.raises(NoQuantizedArtifacts, match="ships f16, not q4_1"):
+    with pytest.raises(NoQuantizedArtifacts, match="ships f16, not q8_0"):
         QuantizedModel.open(releases, "v1", trusted)
     model = QuantizedModel.open(releases, "v1", trusted, "f16", threads=1)
     try:
