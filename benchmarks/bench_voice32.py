@@ -35,9 +35,10 @@ GOAL = (
 )
 
 
-def _measure(releases: Path, trusted: Path, turns: int, tokens: int) -> dict[str, Any]:
-    from nimmer_train.publish.registry import Registry
-    from nimmer_train.runtime.local_model import EngineSettings, LocalModel
+def recorded_report(model: Any, turns: int, tokens: int | None) -> dict[str, Any]:
+    """``model``'s voice report (summary) as its card's was measured (the held-out scenes, seed
+    and token budget its manifest records), at ``turns`` prompts per register (``tokens``: another
+    budget)."""
     from nimmer_train.runtime.voice_eval import (
         heldout_of_config,
         recorded_heldout,
@@ -47,6 +48,22 @@ def _measure(releases: Path, trusted: Path, turns: int, tokens: int) -> dict[str
     from tests.helpers.compose import config
 
     cfg = config("experiment=demo")
+    manifest = model.version.manifest
+    settings = dataclasses.replace(
+        recorded_settings(cfg.publish.voice_eval, manifest), turns_per_register=turns
+    )
+    if tokens:
+        settings = dataclasses.replace(settings, max_new_tokens=tokens)
+    heldout = recorded_heldout(manifest) or heldout_of_config(
+        cfg.composition, cfg.curation.validation_fraction
+    )
+    return voice_eval(model, settings, cfg.registers, cfg.composition, heldout).summary()
+
+
+def _measure(releases: Path, trusted: Path, turns: int, tokens: int) -> dict[str, Any]:
+    from nimmer_train.publish.registry import Registry
+    from nimmer_train.runtime.local_model import EngineSettings, LocalModel
+
     registry = Registry.open(releases)
     try:
         labels = [v.label for v in registry.versions()]
@@ -56,19 +73,9 @@ def _measure(releases: Path, trusted: Path, turns: int, tokens: int) -> dict[str
     for label in labels:
         model = LocalModel.open(releases, label, trusted, settings=EngineSettings(dtype="auto"))
         try:
-            manifest = model.version.manifest
-            settings = dataclasses.replace(
-                recorded_settings(cfg.publish.voice_eval, manifest), turns_per_register=turns
-            )
-            if tokens:
-                settings = dataclasses.replace(settings, max_new_tokens=tokens)
-            heldout = recorded_heldout(manifest) or heldout_of_config(
-                cfg.composition, cfg.curation.validation_fraction
-            )
-            report = voice_eval(model, settings, cfg.registers, cfg.composition, heldout)
+            out[label] = recorded_report(model, turns, tokens)
         finally:
             model.close()
-        out[label] = report.summary()
     return out
 
 

@@ -27,7 +27,6 @@ turn per register, the loss on each register's rendered turn prompt instead of h
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 import warnings
@@ -54,28 +53,6 @@ def _open(releases: Path, label: str, trusted: Path, engine: str) -> Any:
     if engine == "float32":
         return LocalModel.open(releases, label, trusted, settings=EngineSettings(dtype="float32"))
     return QuantizedModel.open(releases, label, trusted, engine)
-
-
-def _voice(model: Any, turns: int, tokens: int | None) -> dict[str, Any]:
-    from nimmer_train.runtime.voice_eval import (
-        heldout_of_config,
-        recorded_heldout,
-        recorded_settings,
-        voice_eval,
-    )
-    from tests.helpers.compose import config
-
-    cfg = config("experiment=demo")
-    manifest = model.version.manifest
-    settings = dataclasses.replace(
-        recorded_settings(cfg.publish.voice_eval, manifest), turns_per_register=turns
-    )
-    if tokens:
-        settings = dataclasses.replace(settings, max_new_tokens=tokens)
-    heldout = recorded_heldout(manifest) or heldout_of_config(
-        cfg.composition, cfg.curation.validation_fraction
-    )
-    return voice_eval(model, settings, cfg.registers, cfg.composition, heldout).summary()
 
 
 def _heldout_rows(version: Any, releases: Path, artifacts: Path, tokenizer: Any) -> dict[str, list[dict]]:
@@ -195,6 +172,7 @@ def run(smoke: bool = False) -> dict[str, object]:
     warnings.filterwarnings("ignore")
     from transformers import AutoTokenizer
 
+    from benchmarks.bench_voice32 import recorded_report
     from benchmarks.harness import REPO
     from nimmer_train.voice.quality import report_lines
 
@@ -225,7 +203,7 @@ def run(smoke: bool = False) -> dict[str, object]:
                     losses["float32"] = _float32_losses(model.version, rows, tokenizer)
                 else:
                     losses[engine] = _quantized_losses(model, rows)
-                voice[engine] = _voice(model, turns, None if real else 24)
+                voice[engine] = recorded_report(model, turns, None if real else 24)
                 label = model.label
             finally:
                 model.close()
