@@ -65,6 +65,10 @@ def test_naming_an_earlier_release_folders_id_does_not_roll_newest_back(
     genuine = _index(releases)["index"]  # v1 and v2, production v1
     old = {**genuine, "newest": V1, "versions": [v for v in genuine["versions"] if v["label"] == V1]}
     old["aliases"] = {"production": V1}
+    # both indexes dated in the past: a moved index dated ahead of now is read as issued now
+    # (``_record_seen``), which would tie with an old index issued in the same second
+    issued = datetime.fromisoformat(old["issued_at"]) - timedelta(hours=2)
+    old.update(issued_at=issued.isoformat(), expires_at=(issued + timedelta(days=14)).isoformat())
     _resign(releases, key, old)
     device = tmp_path / "device" / "releases"
     with serve_app(Mirror(releases)) as url:
