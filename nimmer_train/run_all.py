@@ -259,9 +259,10 @@ def federation_line(metadata: dict[str, Any]) -> str | None:
     eps = fed.get("epsilon_a1_user_level")
     at = "no privacy" if fed.get("no_privacy") else f"A.1 epsilon {eps:.2f} at delta {fed.get('delta'):g}"
     said = " (no gain at this epsilon)" if g["gain"] <= 0 or g["low"] <= 0 else ""
+    start = "the base (a fresh adapter)" if metadata.get("fresh_start") else "its start adapter"
     return (
         f"federated {metadata.get('register', 'adapter')} gain {g['gain']:+.3f} nats/token "
-        f"[{g['low']:+.3f}, {g['high']:+.3f}] over its start adapter, {at}{said}"
+        f"[{g['low']:+.3f}, {g['high']:+.3f}] over {start}, {at}{said}"
     )
 
 

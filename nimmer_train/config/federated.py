@@ -38,7 +38,8 @@ SECAGG_MODULUS_RANGE = 2**32
 SECAGG_MAX_NODES = SECAGG_MODULUS_RANGE // SECAGG_QUANTIZATION_RANGE - 1  # 1023
 FAULTS = ("crash", "nan", "wrong_shape", "wrong_dtype")
 PLACES = ("base_dir", "work_dir", "out_dir", "a2_pool", "tracking_uri")  # deployed server's run config
-SIMULATION_ONLY = ("enabled", "register", "simulation")  # fields (a group: all of it) no deployment reads
+# fields no deployment reads (a group: all of it): a deployed server starts from adapter-dir
+SIMULATION_ONLY = ("enabled", "register", "start_rank", "start_layers", "start_targets", "simulation")
 
 
 def dashed(name: str) -> str:
@@ -160,11 +161,16 @@ class LocalRecipeConfig(Group):
     # examples a device trains on at most; the A.2 pool trains on all of its examples at the public
     # Poisson rate batch_size / max_examples (its size stays out of its epsilon)
     max_examples: int = 256
+    # plain local SGD's matmuls (local_dp.on_devices=false): bfloat16 autocast over float32 weights
+    # where the device's CPU multiplies it natively, as lora.dtype; DP-SGD (Opacus) stays float32
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "max_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"federated.local.{name}", "must be >= 1")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError("federated.local.dtype", f"float32 or bfloat16, not {self.dtype!r}")
 
 
 @dataclass
@@ -249,6 +255,10 @@ class SimulationConfig(Group):
     # uploads: the list, then A1_federated); null: the list repeats
     population_rest: str | None = None
     entries_per_player: int = 60
+    # how a virtual player's memory store is indexed as it is built: "sentence" (all-MiniLM-L6-v2,
+    # as a real device) or "sketch" (hashed trigrams, no model: the federation reads the stores'
+    # texts, never searches their vectors; embedding was 42 % of a sampled node's time at cohort 100)
+    embedder: str = "sentence"
     faults: list[str] = field(default_factory=list)  # drills: "<fault>@<partition>.<round>"
     # the simulation engine's CPUs, one virtual node running per CPU (each a Ray actor that loads
     # the model stack); 0: the machine's cores, at most 4
@@ -257,6 +267,8 @@ class SimulationConfig(Group):
     def __post_init__(self) -> None:
         if self.cpus < 0:
             raise ConfigError("federated.simulation.cpus", "must be >= 0 (0: the machine's cores, at most 4)")
+        if self.embedder not in ("sentence", "sketch"):
+            raise ConfigError("federated.simulation.embedder", f"sentence or sketch, not {self.embedder!r}")
         for tier in [*self.population, *([self.population_rest] if self.population_rest else [])]:
             if tier not in TIER_CHOICES:
                 raise ConfigError(
@@ -287,6 +299,13 @@ class FederatedConfig:
     enabled: bool = True  # run_all runs a federation after the register LoRAs
     register: str | None = None  # the register adapter the federation improves; null: the first trained
     adapter_dir: str | None = None  # start from this adapter folder; null: the one train_loras made
+    # > 0: start from a fresh LoRA of this rank (B = 0: the base's own outputs) on the top
+    # start_layers layers' start_targets instead of the register's adapter. Its size sets the
+    # noise's norm (z C / (q N) a coordinate) and how far back a client's backward pass runs; merged
+    # into a version it is the population's change to the base, not a register's voice
+    start_rank: int = 0
+    start_layers: int = 2
+    start_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     rounds: int = 2
     min_participants: int = 3  # fewer real A.1 updates in a round's sum than this: no update
     round_timeout: float = 300.0  # seconds a node may take per SecAgg+ stage before it counts as gone
@@ -311,6 +330,11 @@ class FederatedConfig:
                 raise ConfigError(f"federated.{name}", "must be >= 1")
         if not 0 < self.delta < 1:
             raise ConfigError("federated.delta", "must be in (0, 1)")
+        if self.start_rank < 0 or self.start_layers < 1 or not self.start_targets:
+            raise ConfigError(
+                "federated.start_rank",
+                "start_rank >= 0 (0: the register's adapter), start_layers >= 1, start_targets non-empty",
+            )
         self._check_noise()
         q = self.user_dp.fraction_fit
         cohort = q * self.nodes()
@@ -411,12 +435,6 @@ class PrivacySweepConfig:
     # show a failure (issue 43); run where N is one of the populations. 0.2 is about the smallest
     # epsilon Opacus's RDP accountant reaches (z = 7.7 at q = 0.1, T = 10: 3.6x epsilon 1's noise)
     control_cells: list[str] = field(default_factory=lambda: ["0.2@1000"])
-    # > 0: start from a fresh LoRA of this rank (B = 0: the base's own outputs) on the top
-    # start_layers layers' start_targets instead of the federated register's adapter; its size
-    # sets the noise's norm and how far back a client's backward pass runs (the real base's table)
-    start_rank: int = 0
-    start_layers: int = 2
-    start_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
 
     def __post_init__(self) -> None:
         if not self.epsilons or any(e <= 0 for e in self.epsilons):
@@ -431,11 +449,6 @@ class PrivacySweepConfig:
             raise ConfigError("privacy_sweep.rounds", "must be >= 1")
         if self.seeds < 1:
             raise ConfigError("privacy_sweep.seeds", "must be >= 1 (runs per cell)")
-        if self.start_rank < 0 or self.start_layers < 1 or not self.start_targets:
-            raise ConfigError(
-                "privacy_sweep.start_rank",
-                "start_rank >= 0 (0: the register's adapter), start_layers >= 1, start_targets non-empty",
-            )
         for spec in self.control_cells:
             eps, _, n = spec.partition("@")
             try:

@@ -38,6 +38,7 @@ from nimmer_train.config.federated import LocalDPConfig, LocalRecipeConfig
 from nimmer_train.errors import NimmerError
 from nimmer_train.federation.wire import get_arrays, set_arrays, spec_of
 from nimmer_train.loras.adapters import load_base
+from nimmer_train.loras.train import compute_autocast
 from nimmer_train.privacy.accounting import epsilon
 from nimmer_train.privacy.dp_sgd import (
     DPConfig,
@@ -109,6 +110,21 @@ def load_trainable(base_dir: Path, adapter_dir: Path) -> tuple[PeftModel, PreTra
     return model, AutoTokenizer.from_pretrained(base_dir)
 
 
+_LOADED: dict[tuple[Any, ...], tuple[PeftModel, PreTrainedTokenizerBase]] = {}
+
+
+def reusable_trainable(base_dir: Path, adapter_dir: Path) -> tuple[PeftModel, PreTrainedTokenizerBase]:
+    """:func:`load_trainable`, kept for the next call on the same folders (path, inode and mtime:
+    artifacts are renamed into place whole; one entry): a simulation's process hosts many nodes,
+    and loading the base was most of a small adapter's node. Only for plain SGD, which sets every
+    trainable weight from the round's arrays before its first step (:func:`sgd_locally`)."""
+    key = tuple((str(d), d.stat().st_ino, d.stat().st_mtime_ns) for d in (base_dir, adapter_dir))
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = load_trainable(base_dir, adapter_dir)
+    return _LOADED[key]
+
+
 def train_locally(
     base_dir: Path,
     adapter_dir: Path,
@@ -123,7 +139,9 @@ def train_locally(
     ``spec_digest`` (the server's) must match this node's adapter: same tensor names and shapes."""
     if not texts:
         return LocalResult(arrays, 0, 0, 0.0, _saved_epsilon(accountant_file, delta))
-    model, tokenizer = load_trainable(base_dir, adapter_dir)
+    # Opacus wraps the model it trains, so a private node loads its own; plain SGD overwrites the
+    # adapter from ``arrays`` first, so one loaded model serves every node a process hosts
+    model, tokenizer = (load_trainable if settings.private else reusable_trainable)(base_dir, adapter_dir)
     if spec_digest is not None and spec_of(model).digest != spec_digest:
         raise NimmerError(
             f"the adapter at {adapter_dir} ({spec_of(model).digest}) is not the one the server federates "
@@ -193,7 +211,9 @@ def sgd_locally(
     for step in range(settings.recipe.steps):
         rows = [(step * size + j) % len(texts) for j in range(size)]
         ids, labels = data[rows]
-        lm_loss(model, ids, labels).backward()
+        with compute_autocast(model, settings.recipe.dtype):
+            loss = lm_loss(model, ids, labels)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     return get_arrays(model), settings.recipe.steps

@@ -32,8 +32,10 @@ from nimmer_train.artifacts import (
     sha256_file,
     source_fingerprint,
 )
+from nimmer_train.base.build import plan
 from nimmer_train.config import Config
 from nimmer_train.config.federated import FederatedConfig
+from nimmer_train.corpus.ingest import find_corpus
 from nimmer_train.errors import NimmerError
 from nimmer_train.federation import (
     budget,
@@ -50,11 +52,13 @@ from nimmer_train.federation import (
 from nimmer_train.federation.app import client_app, server_app
 from nimmer_train.federation.checkpoint import ServerState, ledger_of
 from nimmer_train.federation.client import Node
-from nimmer_train.federation.population import build_population, deliver_uploads
+from nimmer_train.federation.population import SketchEmbedder, build_population, deliver_uploads
 from nimmer_train.federation.rounds import ServerSetup
+from nimmer_train.federation.start import fresh_start_adapter
 from nimmer_train.loras.adapters import read_metadata
 from nimmer_train.loras.stage import LoraResult, configured_adapters
 from nimmer_train.privacy.accounting import Ledger
+from nimmer_train.synth.synthesize import find_synth
 
 log = logging.getLogger(__name__)
 FED_VERSION = 1
@@ -72,6 +76,11 @@ class FederationResult:
 def locate(cfg: Config, loras: LoraResult | None) -> tuple[Path, Path, str]:
     """(base dir, start adapter dir, register) for this federation."""
     s = cfg.federated
+    if s.start_rank and not s.adapter_dir:
+        register = s.register or (cfg.lora.registers or cfg.registers.names)[0]
+        base = _start_base(cfg, loras, register)
+        root = cfg.paths.artifacts_dir() / "federated" / base.name
+        return base, fresh_start_adapter(base, s, register, root), register
     if s.adapter_dir:
         adapter = Path(s.adapter_dir)
     elif loras is not None and loras.adapters:
@@ -93,6 +102,26 @@ def locate(cfg: Config, loras: LoraResult | None) -> tuple[Path, Path, str]:
     if not (base / MANIFEST).exists():
         raise NimmerError(f"adapter {adapter} names base {meta['base']['label']}, which is not at {base}")
     return base, adapter, meta["register"]
+
+
+def _start_base(cfg: Config, loras: LoraResult | None, register: str) -> Path:
+    """The base a fresh start adapter goes on: the one the register LoRAs were trained on, else
+    ``lora.base_dir``, else the base this config builds (its inputs found, never built)."""
+    if loras is not None and register in loras.adapters:
+        label = read_metadata(loras.adapters[register])["base"]["label"]
+        base = Path(cfg.lora.base_dir) if cfg.lora.base_dir else base_path(cfg.paths.artifacts_dir(), label)
+    elif cfg.lora.base_dir:
+        base = Path(cfg.lora.base_dir)
+    else:
+        artifacts = cfg.paths.artifacts_dir()
+        synth = find_synth(cfg.composition, cfg.registers, cfg.teacher, cfg.curation, artifacts)
+        base = plan(cfg, find_corpus(cfg.corpus, artifacts), synth).out
+    if not (base / MANIFEST).exists():
+        raise NimmerError(
+            f"no published base at {base}: run `python -m pipelines.build_base` with the same "
+            "overrides first, or point lora.base_dir at a base folder"
+        )
+    return base
 
 
 def _find_adapter(cfg: Config) -> Path:
@@ -209,7 +238,9 @@ def run_federation(
 
     pool = p.folder / "server" / A2_POOL
     pool.parent.mkdir(parents=True, exist_ok=True)
-    population = build_population(p.folder / "devices", s, embedder or SentenceEmbedder())
+    if embedder is None:
+        embedder = SketchEmbedder() if s.simulation.embedder == "sketch" else SentenceEmbedder()
+    population = build_population(p.folder / "devices", s, embedder)
     deliver_uploads(population, pool, s.a2.k)
     a2_node = Node(p.base_dir, p.adapter_dir, a2_pool=pool)  # the server-operated A.2 client, last
 

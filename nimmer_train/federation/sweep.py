@@ -463,73 +463,12 @@ def resumable_run(cfg: Any, run_id: str | None) -> str | None:
     return run_id if all(logged.get(k) == v for k, v in wanted.items()) else None
 
 
-def fresh_start_adapter(base_dir: Path, sweep: PrivacySweepConfig, register: str, root: Path) -> Path:
-    """The sweep's start when ``sweep.start_rank`` > 0: a fresh LoRA of that rank (seeded A, B = 0,
-    so it starts as the base itself) on ``start_targets`` of the base's top ``start_layers``
-    layers, published once under ``root`` (named by the base and the spec). A client's backward
-    pass stops at the lowest adapted layer and the noise's norm grows with the coordinates
-    (z C / (q N) each), so this is what makes a real base's table affordable and meaningful."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    from nimmer_train.artifacts import atomic_dir, fingerprint, intact_manifest, write_manifest
-    from nimmer_train.loras.adapters import METADATA, base_identity, load_base
-
-    base = base_identity(base_dir)
-    spec = {"rank": sweep.start_rank, "layers": sweep.start_layers, "targets": list(sweep.start_targets)}
-    fp = fingerprint({"base": base, **spec, "seed": sweep.seed, "register": register})
-    out = root / f"start-{fp[:12]}"
-    if intact_manifest(out):
-        return out
-    model = load_base(base_dir, "cpu")
-    layers = int(model.config.num_hidden_layers)
-    torch.manual_seed(sweep.seed)
-    peft = get_peft_model(
-        model,
-        LoraConfig(
-            r=sweep.start_rank,
-            lora_alpha=2 * sweep.start_rank,
-            lora_dropout=0.0,
-            target_modules=list(sweep.start_targets),
-            layers_to_transform=list(range(max(layers - sweep.start_layers, 0), layers)),
-        ),
-    )
-    meta = {"register": register, "base": base, "privacy_sweep_start": spec}
-    with atomic_dir(out) as staging:
-        peft.save_pretrained(staging)
-        (staging / "README.md").unlink(missing_ok=True)
-        write_json_atomic(staging / METADATA, meta)
-        write_manifest(staging, "register_adapter", fp, {"register": register, "base": base})
-    return out
-
-
 def sweep_inputs(cfg: Any) -> tuple[Path, Path, str]:
-    """(base, start adapter, register): the federate stage's (:func:`~nimmer_train.federation.stage.locate`),
-    or with ``privacy_sweep.start_rank`` > 0 the configured base and a fresh small LoRA on it."""
+    """(base, start adapter, register): the federate stage's (:func:`~nimmer_train.federation.stage.locate`;
+    with ``federated.start_rank`` > 0 a fresh small LoRA on the configured base)."""
     from nimmer_train.federation.stage import locate
 
-    if not cfg.privacy_sweep.start_rank:
-        return locate(cfg, None)
-    from nimmer_train.artifacts import MANIFEST
-    from nimmer_train.base.build import plan
-    from nimmer_train.corpus.ingest import find_corpus
-    from nimmer_train.errors import NimmerError
-    from nimmer_train.synth.synthesize import find_synth
-
-    if cfg.lora.base_dir:
-        base_dir = Path(cfg.lora.base_dir)
-    else:  # the base this config builds (its inputs found, never built)
-        artifacts = cfg.paths.artifacts_dir()
-        synth = find_synth(cfg.composition, cfg.registers, cfg.teacher, cfg.curation, artifacts)
-        base_dir = plan(cfg, find_corpus(cfg.corpus, artifacts), synth).out
-    if not (base_dir / MANIFEST).exists():
-        raise NimmerError(
-            f"no published base at {base_dir}: run `python -m pipelines.build_base` with the same "
-            "overrides first, or point lora.base_dir at a base folder"
-        )
-    register = cfg.federated.register or (cfg.lora.registers or cfg.registers.names)[0]
-    root = Path(cfg.paths.workdir).resolve() / "privacy_sweep"
-    return base_dir, fresh_start_adapter(base_dir, cfg.privacy_sweep, register, root), register
+    return locate(cfg, None)
 
 
 def sweep_stage(cfg: Any, pipeline: str = "privacy_sweep") -> list[dict[str, Any]]:

@@ -69,6 +69,15 @@ class SentenceEmbedder:
         )
         self.dim = int(dimension())
 
+    def __getstate__(self) -> dict[str, str]:
+        """Pickled by name: a simulation ships the population (and its embedder) with every
+        message to its workers, and unpickling the model's weights each time was 85 % of a
+        worker's time; the worker loads the model once (:func:`_load`)."""
+        return {"name": self.name}
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        self.__init__(state["name"])  # type: ignore[misc]
+
     @property
     def window(self) -> int:
         """Word pieces of text the model reads (its max_seq_length less [CLS] and [SEP])."""

@@ -64,10 +64,7 @@ def render(manifest: dict[str, Any], license_: str) -> str:
         f"`{manifest['training_recipe_ref']['base_config_hash'][:12]}`",
     ]
     if merged:
-        lines.append(
-            f"- Merged into the weights: the `{merged['register']}` adapter after federated rounds "
-            f"(federation `{merged['federation'][:12]}`, {merged['rounds']} rounds)"
-        )
+        lines.append(f"- Merged into the weights: {_merged_what(merged)}")
     lines += [
         "",
         "## Training data",
@@ -401,6 +398,20 @@ def _sample_lines(voice: dict[str, Any] | None) -> list[str]:
     return [*lines, ""]
 
 
+def _merged_what(merged: dict[str, Any]) -> str:
+    """What a version's merged adapter is: a register's voice after federated rounds, or a fresh
+    small adapter its population trained (the register keeps its own LoRA)."""
+    rounds = f"(federation `{merged['federation'][:12]}`, {merged['rounds']} rounds)"
+    fresh = merged.get("fresh_start")
+    if not fresh:
+        return f"the `{merged['register']}` adapter after federated rounds {rounds}"
+    return (
+        f"a fresh rank-{fresh['rank']} adapter on {'/'.join(fresh['targets'])} of the top {fresh['layers']} "
+        f"layers, trained from zero by the `{merged['register']}` population's federated rounds {rounds}: "
+        "the base's change, every register keeps its LoRA"
+    )
+
+
 def _gain_line(merged: dict[str, Any], before: float, after: float) -> str:
     """The federated adapter against the adapter it started from on the federation's held-out
     lines, with the paired bootstrap interval over held-out examples where it was measured; a
@@ -420,7 +431,8 @@ def _gain_line(merged: dict[str, Any], before: float, after: float) -> str:
     elif g and g["low"] <= 0:
         verdict = ": **the interval reaches 0: no gain shown at this epsilon**"
     return (
-        f"- Federated gain of the `{merged['register']}` adapter over the adapter it started from, on "
+        f"- Federated gain of the `{merged['register']}` adapter over the adapter it started from"
+        f"{' (the base itself: a fresh adapter starts at zero)' if merged.get('fresh_start') else ''}, on "
         f"the federation's held-out lines (synthetic player memories, not r1; mean over every token): "
         f"{before:.3f} -> {after:.3f} nats ({gain:+.3f}; {spread}){verdict}"
     )

@@ -32,6 +32,7 @@ from nimmer_train.artifacts import (
     fingerprint,
     intact_manifest,
     merged_path,
+    merged_voice,
     read_manifest,
     sha256_file,
     write_manifest,
@@ -108,6 +109,12 @@ def already_published(releases: Path, req: PublishRequest) -> bool:
         registry.close()
 
 
+def _merged_synth(merged_meta: dict[str, Any] | None) -> str | None:
+    """The fingerprint of the synthetic set the merged adapter was trained on (a register's
+    adapter); None for no merge or a fresh adapter the population trained (``fresh_start``)."""
+    return ((merged_meta or {}).get("datasets") or {}).get("synth")
+
+
 def _corpus_refs(req: PublishRequest, base_manifest: dict[str, Any], merged: dict[str, Any] | None) -> dict:
     from nimmer_train.memory.consent import NEVER_SHARED
 
@@ -138,8 +145,9 @@ def _corpus_refs(req: PublishRequest, base_manifest: dict[str, Any], merged: dic
     return {
         "literary": literary,
         # the base's own mix (issue 25), else the synthetic set the merged adapter was trained on
+        # (a fresh adapter the population trained has none: only player_contributed below)
         "synthetic": lineage.get("training_corpus_refs", {}).get("synthetic")
-        or ({"fingerprint": merged["datasets"]["synth"]} if merged else None),
+        or ({"fingerprint": synth} if (synth := _merged_synth(merged)) else None),
         "player_contributed": {
             "opt_out": {"used": False},
             # counts from a federation are noised estimates (issue 20): never an exact count
@@ -355,7 +363,7 @@ def _compatible_loras(
         else set()
     )
     for lora in loras:
-        if merged_meta and lora["register"] == merged_meta["register"]:
+        if lora["register"] == merged_voice(merged_meta):
             raise NimmerError(
                 f"LoRA {lora['lora_id']}: its register's voice is merged into {label}'s weights; "
                 "it would apply twice"
@@ -460,7 +468,7 @@ def _recipe_ref(
         "base_config": {k: lineage[k] for k in ("model", "train")},
         "dataset_fingerprints": {
             "literary": lineage["dataset_fingerprint"],
-            **({"synthetic": merged_meta["datasets"]["synth"]} if merged_meta else {}),
+            **({"synthetic": synth} if (synth := _merged_synth(merged_meta)) else {}),
         },
         "publish_config": req.recipe.get("config"),
     }
@@ -473,6 +481,9 @@ def _merged_adapter(req: PublishRequest, merged_meta: dict[str, Any] | None) -> 
     fed = merged_meta.get("federation", {})
     return {
         "register": merged_meta["register"],
+        # the fresh adapter's spec when the federation started from one (artifacts.merged_voice:
+        # the population's change to the base; the register keeps its LoRA), else None
+        "fresh_start": merged_meta.get("fresh_start"),
         "fingerprint": read_manifest(req.merge_adapter)["fingerprint"],
         "federation": fed.get("fingerprint", ""),
         "rounds": fed.get("rounds", 0),

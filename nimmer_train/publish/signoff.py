@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nimmer_train.artifacts import MANIFEST
+from nimmer_train.artifacts import MANIFEST, merged_voice
 from nimmer_train.errors import NimmerError
 from nimmer_train.publish.listing import caveat_label, privacy_caveats
 from nimmer_train.voice.quality import EACH_REGISTER, GOALS
@@ -218,7 +218,7 @@ def _parent_registers(release_dir: Path, manifest: dict[str, Any]) -> set[str] |
 def carry_goal(release_dir: Path, manifest: dict[str, Any]) -> Goal:
     """Every register keeps a voice: a LoRA that fits this version, or its adapter merged in."""
     fitting = {lora["register"]: lora["relation"] for lora in manifest.get("compatible_loras") or []}
-    merged = (manifest.get("merged_adapter") or {}).get("register")
+    merged = merged_voice(manifest.get("merged_adapter"))
     carry = manifest.get("lora_carry") or {}
     decisions = carry.get("decisions") or []
     wanted = _parent_registers(release_dir, manifest)

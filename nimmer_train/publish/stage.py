@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import mlflow
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import MANIFEST, README, git_commit, intact_manifest
+from nimmer_train.artifacts import MANIFEST, README, git_commit, intact_manifest, merged_voice
 from nimmer_train.config import Config
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import METADATA, read_metadata
@@ -144,7 +144,7 @@ def _carried(cfg: Config, releases: Path, req: PublishRequest, candidates: list[
     if req.merge_adapter is not None:
         weights = stage_merge(req, artifacts)
         req = dataclasses.replace(req, merged_dir=weights)
-        merged = read_metadata(req.merge_adapter)["register"]
+        merged = merged_voice(read_metadata(req.merge_adapter))
     keyring = Keyring.load(Path(cfg.publish.trusted_keys))
     found = carry(
         releases, artifacts, weights, req.loras, settings, cfg.registers, keyring, candidates, merged

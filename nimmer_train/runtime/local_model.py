@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nimmer_train.artifacts import merged_voice
 from nimmer_train.errors import NimmerError
 from nimmer_train.publish.signing import Keyring
 from nimmer_train.publish.versions import CompatibilityError, VerifiedVersion, load_verified, open_version
@@ -94,8 +95,7 @@ class VersionSpeaker:
         self.version, self.label, self.tokenizer = version, version.label, tokenizer
         self.stop_ids = end_of_turn_ids(tokenizer)  # the chat template's end of turn, then EOS
         self.chars_per_token = chars_per_token(tokenizer)  # sizes the schema's string caps
-        merged = version.manifest.get("merged_adapter") or {}
-        self.merged_register: str | None = merged.get("register")
+        self.merged_register: str | None = merged_voice(version.manifest.get("merged_adapter"))
 
     def adapter_for(self, register: str | None) -> str | None:
         """The LoRA that voices ``register`` on this version (None: the bare weights carry it)."""

@@ -58,6 +58,8 @@ def test_the_summary_says_the_federated_gain_with_its_interval_and_epsilon_and_a
         "federated caste-preacher gain +0.021 nats/token [+0.004, +0.037] over its start adapter, "
         "A.1 epsilon 4.57 at delta 1e-06"
     )
+    fresh = federation_line({"register": "caste-preacher", "federation": fed, "fresh_start": {"rank": 1}})
+    assert fresh is not None and "over the base (a fresh adapter), A.1 epsilon 4.57" in fresh
     fed["heldout_gain"] = {"gain": -0.93, "low": -1.04, "high": -0.82}
     assert "(no gain at this epsilon)" in federation_line({"register": "r", "federation": fed})
     assert federation_line({"register": "r", "federation": {"heldout_gain": None}}) is None

@@ -117,3 +117,34 @@ def test_an_empty_poisson_batch_still_takes_the_noisy_step(
     # each step's noise on the mean: std z * clip / expected batch = 1.0 * 0.1 / 4; lr 3 -> 0.075
     delta = np.concatenate([(a - b).ravel() for a, b in zip(result.arrays, arrays, strict=True)])
     assert delta.std() == pytest.approx(0.075 * math.sqrt(3), rel=0.1)
+
+
+def test_nodes_sharing_a_process_train_as_if_each_were_alone(
+    release: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Plain local SGD reuses one loaded model for every node a simulation process hosts: a node
+    trained after another (other arrays, other texts) gets exactly the update it gets in a fresh
+    process, and the model of the first node leaks nothing into the second."""
+    from nimmer_train.federation import local_training
+
+    base, adapter = release
+    warnings.filterwarnings("ignore")
+    start = get_arrays(load_trainable(base, adapter)[0])
+    moved = [a + np.float32(0.01) for a in start]
+    recipe = LocalTrainingConfig(
+        LocalRecipeConfig(steps=2, batch_size=4, lr=1.0, max_length=32, max_examples=8),
+        LocalDPConfig(),
+        seed=3,
+        private=False,
+    )
+    first = [example_text(e) for e in heldout_examples(8, seed=11)]
+    second = [example_text(e) for e in heldout_examples(8, seed=12)]
+    local_training._LOADED.clear()
+    alone = train_locally(base, adapter, start, second, recipe, tmp_path / "a.json", 1e-5)
+    local_training._LOADED.clear()
+    train_locally(base, adapter, moved, first, recipe, tmp_path / "b.json", 1e-5)
+    (held,) = local_training._LOADED.values()
+    after = train_locally(base, adapter, start, second, recipe, tmp_path / "c.json", 1e-5)
+    assert next(iter(local_training._LOADED.values()))[0] is held[0]  # not loaded again
+    assert all(np.array_equal(a, b) for a, b in zip(alone.arrays, after.arrays, strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(start, after.arrays, strict=True))

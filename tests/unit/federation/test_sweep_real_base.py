@@ -23,7 +23,8 @@ from nimmer_train.config.federated import (
 )
 from nimmer_train.federation.local_training import encode_rows, load_trainable
 from nimmer_train.federation.population import SketchEmbedder
-from nimmer_train.federation.sweep import Cell, cell_settings, fresh_start_adapter, run_sweep
+from nimmer_train.federation.start import fresh_start_adapter
+from nimmer_train.federation.sweep import Cell, cell_settings, run_sweep
 from nimmer_train.federation.wire import get_arrays
 from nimmer_train.loras.adapters import load_base
 from nimmer_train.loras.train import heldout_loss
@@ -39,10 +40,10 @@ SWEEP = PrivacySweepConfig(
     evaluate_every=1,
     goal_cells=["8@40"],
     control_cells=[],
-    start_rank=2,
-    start_layers=1,
 )
 RECIPE = FederatedConfig(
+    start_rank=2,
+    start_layers=1,
     heldout_examples=8,
     user_dp=UserDPConfig(clipping_norm=1.0),
     local=LocalRecipeConfig(lr=1.0, steps=1, batch_size=4),
@@ -56,7 +57,7 @@ def test_the_real_base_sweep_composes_to_smollm2_at_n_10k_with_two_seeds() -> No
     assert cfg.model.name == "smollm2_135m"
     assert sweep.populations == [10_000] and sweep.seeds >= 2
     assert sweep.epsilons[:2] == [3.0, 8.0] and math.isinf(sweep.epsilons[2])
-    assert sweep.start_rank >= 1 and sweep.goal_cells == ["8@10000"] and sweep.evaluate_every == 1
+    assert cfg.federated.start_rank >= 1 and sweep.goal_cells == ["8@10000"] and sweep.evaluate_every == 1
 
 
 def test_on_the_real_config_the_non_private_cell_differs_from_epsilon_8_only_in_its_noise() -> None:
@@ -76,8 +77,8 @@ def test_on_the_real_config_the_non_private_cell_differs_from_epsilon_8_only_in_
 def test_the_fresh_start_is_the_base_itself_on_the_top_layers_only(tmp_path: Path) -> None:
     warnings.filterwarnings("ignore")
     base, _, _ = tiny_release(tmp_path / "release")
-    adapter = fresh_start_adapter(base, SWEEP, "caste-preacher", tmp_path / "sweep")
-    assert fresh_start_adapter(base, SWEEP, "caste-preacher", tmp_path / "sweep") == adapter  # made once
+    adapter = fresh_start_adapter(base, RECIPE, "caste-preacher", tmp_path / "sweep")
+    assert fresh_start_adapter(base, RECIPE, "caste-preacher", tmp_path / "sweep") == adapter  # made once
     layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
     spec = json.loads((adapter / "adapter_config.json").read_text())
     assert spec["r"] == 2 and spec["layers_to_transform"] == [layers - 1]
@@ -95,7 +96,7 @@ def test_the_fresh_start_is_the_base_itself_on_the_top_layers_only(tmp_path: Pat
 def test_the_non_private_run_sees_the_same_cohorts_and_rounds_without_noise(tmp_path: Path) -> None:
     warnings.filterwarnings("ignore")
     base, _, _ = tiny_release(tmp_path / "release")
-    adapter = fresh_start_adapter(base, SWEEP, "caste-preacher", tmp_path / "sweep")
+    adapter = fresh_start_adapter(base, RECIPE, "caste-preacher", tmp_path / "sweep")
     root = tmp_path / "sweep"
     private, open_ = run_sweep(base, adapter, RECIPE, SWEEP, root, SketchEmbedder())
     assert open_["noise_multiplier"] == 0 and private["noise_multiplier"] > 0

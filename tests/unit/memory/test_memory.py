@@ -44,6 +44,20 @@ def test_real_embeddings_retrieve_by_meaning(tmp_path: Path) -> None:
     assert top[0].entry.access_count == 1
 
 
+def test_an_embedder_travels_by_name_and_embeds_the_same_after(tmp_path: Path) -> None:
+    """A simulation ships the population, embedder included, with every message to its workers:
+    pickled, the embedder is its model's name (not 90 MB of weights to unpickle each time), and the
+    copy embeds exactly as the original."""
+    import pickle
+
+    embedder = SentenceEmbedder()
+    shipped = pickle.dumps(embedder)
+    assert len(shipped) < 1_000
+    copy = pickle.loads(shipped)
+    texts = ["the ferry bell rang at dusk", "salt on the east steps"]
+    assert copy.dim == embedder.dim and np.array_equal(copy.embed(texts), embedder.embed(texts))
+
+
 def test_combined_score_prefers_important_and_recent(tmp_path: Path) -> None:
     clock = Clock()
     memory = _memory(tmp_path / "p", clock)

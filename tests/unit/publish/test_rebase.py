@@ -307,3 +307,64 @@ def test_a_merge_retrains_the_inherited_loras_when_asked(published: Published) -
         read_metadata(Path(retrained.rebased_adapter))["base"]["weights_sha256"]
         == base_identity(base_b)["weights_sha256"]
     )
+
+
+def test_a_population_adapter_merged_into_the_weights_leaves_every_register_its_lora(
+    published: Published,
+) -> None:
+    """federated.start_rank > 0: the federation trains a fresh small adapter (experiment=demo),
+    not a register's voice. Merged into v2 it is the base's change: the rule decides every v1
+    LoRA on the merged weights, its own register's too (a register's adapter merged is refused as
+    'would apply twice'), v2 lists all of them, the runtime speaks that register through its LoRA,
+    the sign-off's carry goal passes and the card says what was merged."""
+    from safetensors.torch import load_file, save_file
+
+    from nimmer_train.artifacts import merged_voice
+    from nimmer_train.config.federated import FederatedConfig
+    from nimmer_train.federation.start import fresh_start_adapter
+    from nimmer_train.publish.release import PublishRequest, publish_version, stage_merge
+    from nimmer_train.publish.signoff import PASS, carry_goal
+
+    base_a = published.root / "artifacts" / "base" / "a"
+    start = FederatedConfig(start_rank=1, start_layers=1)
+    fresh = fresh_start_adapter(base_a, start, REGISTERS[0], published.root / "federated")
+    weights = fresh / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    torch.manual_seed(3)
+    save_file(
+        {k: v + 0.05 * torch.randn_like(v) if "lora_B" in k else v for k, v in tensors.items()}, weights
+    )
+    write_manifest(
+        fresh, "register_adapter", "d" * 64, {}
+    )  # the trained adapter, as the federation publishes it
+    meta = read_metadata(fresh)
+    assert meta["register"] == REGISTERS[0] and merged_voice(meta) is None
+
+    req = PublishRequest(base_a, merge_adapter=fresh)
+    merged = stage_merge(req, published.artifacts)
+    lenient = RebaseConfig(min_gain=-1e9, min_margin=-1e9, retrain=False)
+    found = carry(
+        published.releases, published.artifacts, merged, [], lenient, config().registers, published.keys(),
+        merged_register=merged_voice(meta),
+    )  # fmt: skip
+    assert found is not None
+    assert {d.register: d.decision for d in found.decisions} == dict.fromkeys(
+        REGISTERS, "inherited-evaluated"
+    )
+    version, new = publish_version(
+        published.releases, published.key, dataclasses.replace(req, merged_dir=merged, carry=found)
+    )
+    assert new
+    v2 = published.open(version.label)
+    manifest = v2.manifest
+    assert manifest["merged_adapter"]["fresh_start"] == {
+        "rank": 1,
+        "layers": 1,
+        "targets": ["q_proj", "v_proj"],
+    }
+    assert {(c["register"], c["relation"]) for c in manifest["compatible_loras"]} == {
+        (r, "inherited") for r in REGISTERS
+    }
+    assert merged_voice(manifest["merged_adapter"]) is None and set(v2.loras) == set(REGISTERS)
+    assert carry_goal(v2.folder, manifest).status == PASS
+    assert "every register keeps its LoRA" in (v2.folder / "README.md").read_text()
