@@ -34,7 +34,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
-from nimmer_train.artifacts import MANIFEST, README, file_table, intact_manifest, read_manifest, synth_path
+from nimmer_train.artifacts import (
+    MANIFEST,
+    README,
+    file_table,
+    intact_manifest,
+    merged_voice,
+    read_manifest,
+    synth_path,
+)
 from nimmer_train.errors import NimmerError
 from nimmer_train.loras.adapters import read_metadata
 from nimmer_train.progress import Progress
@@ -302,7 +310,7 @@ def candidate_model(req: PublishRequest, dtype: str = "float32") -> Iterator[Loc
     temporary folder, when it asks for a merge) and its register LoRAs but the merged register's,
     decoding in ``dtype`` (the engine's: bfloat16 weights in memory, the published ones float32)."""
     with tempfile.TemporaryDirectory(prefix="nimmer-candidate-") as tmp:
-        merged = read_metadata(req.merge_adapter)["register"] if req.merge_adapter else None
+        merged = merged_voice(read_metadata(req.merge_adapter)) if req.merge_adapter else None
         if req.merge_adapter is None or req.merged_dir is not None:
             folder = req.merged_dir or req.base_dir
             rows = read_manifest(folder)["files"]

@@ -315,8 +315,10 @@ def test_a_population_adapter_merged_into_the_weights_leaves_every_register_its_
     """federated.start_rank > 0: the federation trains a fresh small adapter (experiment=demo),
     not a register's voice. Merged into v2 it is the base's change: the rule decides every v1
     LoRA on the merged weights, its own register's too (a register's adapter merged is refused as
-    'would apply twice'), v2 lists all of them, the runtime speaks that register through its LoRA,
-    the sign-off's carry goal passes and the card says what was merged."""
+    'would apply twice'), v2 lists all of them, the runtime and the voice report before signing
+    speak that register through its LoRA (the report once spoke it with the bare merged weights:
+    caste-preacher 0.12 in make demo's v2), the sign-off's carry goal passes and the card says
+    what was merged."""
     from safetensors.torch import load_file, save_file
 
     from nimmer_train.artifacts import merged_voice
@@ -324,6 +326,7 @@ def test_a_population_adapter_merged_into_the_weights_leaves_every_register_its_
     from nimmer_train.federation.start import fresh_start_adapter
     from nimmer_train.publish.release import PublishRequest, publish_version, stage_merge
     from nimmer_train.publish.signoff import PASS, carry_goal
+    from nimmer_train.runtime.voice_eval import candidate_model
 
     base_a = published.root / "artifacts" / "base" / "a"
     start = FederatedConfig(start_rank=1, start_layers=1)
@@ -351,9 +354,11 @@ def test_a_population_adapter_merged_into_the_weights_leaves_every_register_its_
     assert {d.register: d.decision for d in found.decisions} == dict.fromkeys(
         REGISTERS, "inherited-evaluated"
     )
-    version, new = publish_version(
-        published.releases, published.key, dataclasses.replace(req, merged_dir=merged, carry=found)
-    )
+    candidate = dataclasses.replace(req, merged_dir=merged, carry=found)
+    with candidate_model(candidate) as model:  # what the voice report speaks through before signing
+        assert model.merged_register is None and set(model.registers) == set(REGISTERS)
+        assert model.adapter_for(REGISTERS[0]) == REGISTERS[0]
+    version, new = publish_version(published.releases, published.key, candidate)
     assert new
     v2 = published.open(version.label)
     manifest = v2.manifest
