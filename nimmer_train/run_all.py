@@ -73,14 +73,14 @@ QUICK = "make demo EXPERIMENT=tiny"  # the scratch preset: every stage in minute
 # each stage's seconds on a quiet 2-core machine, estimated (docs/config.md#experiment-presets):
 # the ETAs of a first run, before any was recorded (stage_times)
 FIRST_RUN: dict[str, dict[str, float]] = {
-    "demo": {  # timed on a fresh clone of 4707f98 (docs/config.md#experiment-presets)
-        "ingest": 3,
-        "synthesize": 2,
-        "build_base": 136,
-        "train_loras": 813,
-        "federate": 192,
-        "publish": 119,
-        "speak": 125,
+    "demo": {  # timed on a fresh clone of 857f015 (docs/config.md#experiment-presets)
+        "ingest": 2,
+        "synthesize": 1,
+        "build_base": 108,
+        "train_loras": 703,
+        "federate": 211,
+        "publish": 138,
+        "speak": 114,
     },
 }
 REAL_BASE_MEMORY_GIB = 6.0  # a pretrained base (SmolLM2-135M): training, the federation's nodes, serving
