@@ -114,11 +114,15 @@ _LOADED: dict[tuple[Any, ...], tuple[PeftModel, PreTrainedTokenizerBase]] = {}
 
 
 def reusable_trainable(base_dir: Path, adapter_dir: Path) -> tuple[PeftModel, PreTrainedTokenizerBase]:
-    """:func:`load_trainable`, kept for the next call on the same folders (path, inode and mtime:
-    artifacts are renamed into place whole; one entry): a simulation's process hosts many nodes,
+    """:func:`load_trainable`, kept for the next call on the same folders (path, inode, size and
+    mtime of each folder and its files; one entry): a simulation's process hosts many nodes,
     and loading the base was most of a small adapter's node. Only for plain SGD, which sets every
     trainable weight from the round's arrays before its first step (:func:`sgd_locally`)."""
-    key = tuple((str(d), d.stat().st_ino, d.stat().st_mtime_ns) for d in (base_dir, adapter_dir))
+    key = tuple(
+        (str(f), f.stat().st_ino, f.stat().st_size, f.stat().st_mtime_ns)
+        for d in (base_dir, adapter_dir)
+        for f in (d, *sorted(d.iterdir()))
+    )
     if key not in _LOADED:
         _LOADED.clear()
         _LOADED[key] = load_trainable(base_dir, adapter_dir)
@@ -202,6 +206,7 @@ def sgd_locally(
     client and the sweep simulator (:mod:`nimmer_train.federation.simulator`, one loaded model
     for every contributor) both train with this. Returns (trained arrays, steps)."""
     set_arrays(model, arrays)
+    model.zero_grad(set_to_none=True)  # a shared model: a node that failed mid-step left its gradients
     model.train()
     texts = texts[: settings.recipe.max_examples]
     data = encode(tokenizer, texts, settings.recipe.max_length)

@@ -348,7 +348,11 @@ def candidate_report(cfg: Config, req: PublishRequest) -> VoiceReport:
     scenes held out of its adapters' training sets (the current config's when not found); the
     report's settings record them, so the speak stage measures on the same ones. What run_all and
     ``pipelines.publish`` give ``publish_stage`` as its ``voice``."""
-    adapters = [*req.adapters(), *([req.merge_adapter] if req.merge_adapter else [])]
+    # a merged register voice was trained on a synthetic set too; a fresh adapter the population
+    # trained was not (artifacts.merged_voice), and must not erase the LoRAs' record
+    merge = req.merge_adapter
+    voice = [merge] if merge and merged_voice(read_metadata(merge)) else []
+    adapters = [*req.adapters(), *voice]
     heldout = heldout_of_adapters(adapters, cfg.paths.artifacts_dir()) or heldout_of_config(
         cfg.composition, cfg.curation.validation_fraction
     )
