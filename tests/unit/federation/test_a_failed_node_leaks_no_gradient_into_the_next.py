@@ -14,11 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from nimmer_train.config.federated import LocalDPConfig, LocalRecipeConfig
-from nimmer_train.federation.client import example_text
-from nimmer_train.federation.local_training import LocalTrainingConfig, load_trainable, train_locally
+from nimmer_train.federation.local_training import load_trainable, train_locally
 from nimmer_train.federation.wire import get_arrays
-from nimmer_train.memory.synthetic import heldout_examples
+from tests.unit.federation.test_local_training import PLAIN_SGD, node_texts
 
 
 def test_a_node_failing_mid_step_leaks_no_gradient_into_the_next_node(
@@ -29,14 +27,7 @@ def test_a_node_failing_mid_step_leaks_no_gradient_into_the_next_node(
     base, adapter = release
     warnings.filterwarnings("ignore")
     start = get_arrays(load_trainable(base, adapter)[0])
-    recipe = LocalTrainingConfig(
-        LocalRecipeConfig(steps=2, batch_size=4, lr=1.0, max_length=32, max_examples=8),
-        LocalDPConfig(),
-        seed=3,
-        private=False,
-    )
-    failed = [example_text(e) for e in heldout_examples(8, seed=11)]
-    second = [example_text(e) for e in heldout_examples(8, seed=12)]
+    recipe, failed, second = PLAIN_SGD, node_texts(11), node_texts(12)
     local_training._LOADED.clear()
     alone = train_locally(base, adapter, start, second, recipe, tmp_path / "a.json", 1e-5)
 

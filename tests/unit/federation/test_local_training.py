@@ -119,6 +119,19 @@ def test_an_empty_poisson_batch_still_takes_the_noisy_step(
     assert delta.std() == pytest.approx(0.075 * math.sqrt(3), rel=0.1)
 
 
+PLAIN_SGD = LocalTrainingConfig(
+    LocalRecipeConfig(steps=2, batch_size=4, lr=1.0, max_length=32, max_examples=8),
+    LocalDPConfig(),
+    seed=3,
+    private=False,
+)  # a simulated node's plain local SGD (local_dp.on_devices=false): the shared-model path
+
+
+def node_texts(seed: int) -> list[str]:
+    """One simulated node's training lines."""
+    return [example_text(e) for e in heldout_examples(8, seed=seed)]
+
+
 def test_nodes_sharing_a_process_train_as_if_each_were_alone(
     release: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -131,14 +144,7 @@ def test_nodes_sharing_a_process_train_as_if_each_were_alone(
     warnings.filterwarnings("ignore")
     start = get_arrays(load_trainable(base, adapter)[0])
     moved = [a + np.float32(0.01) for a in start]
-    recipe = LocalTrainingConfig(
-        LocalRecipeConfig(steps=2, batch_size=4, lr=1.0, max_length=32, max_examples=8),
-        LocalDPConfig(),
-        seed=3,
-        private=False,
-    )
-    first = [example_text(e) for e in heldout_examples(8, seed=11)]
-    second = [example_text(e) for e in heldout_examples(8, seed=12)]
+    recipe, first, second = PLAIN_SGD, node_texts(11), node_texts(12)
     local_training._LOADED.clear()
     alone = train_locally(base, adapter, start, second, recipe, tmp_path / "a.json", 1e-5)
     local_training._LOADED.clear()
