@@ -26,11 +26,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout: conf/, data_
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
+FRESH_START = "fresh_start"  # an adapter's metadata / merged_adapter key: a fresh adapter's spec
+
+
 def merged_voice(merged: dict[str, Any] | None) -> str | None:
     """The register whose voice a merged adapter carries: a version's ``merged_adapter`` entry or
     the adapter's metadata. None when nothing is merged, or when the adapter is a fresh one the
     population trained (``fresh_start``: the base's change, so that register keeps its LoRA)."""
-    if not merged or merged.get("fresh_start"):
+    if not merged or merged.get(FRESH_START):
         return None
     return merged.get("register")
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nimmer_train import tracking
-from nimmer_train.artifacts import MANIFEST, write_json_atomic
+from nimmer_train.artifacts import FRESH_START, MANIFEST, write_json_atomic
 from nimmer_train.base.build import BaseResult
 from nimmer_train.base.stage import build_base_stage
 from nimmer_train.config import Config
@@ -259,7 +259,7 @@ def federation_line(metadata: dict[str, Any]) -> str | None:
     eps = fed.get("epsilon_a1_user_level")
     at = "no privacy" if fed.get("no_privacy") else f"A.1 epsilon {eps:.2f} at delta {fed.get('delta'):g}"
     said = " (no gain at this epsilon)" if g["gain"] <= 0 or g["low"] <= 0 else ""
-    start = "the base (a fresh adapter)" if metadata.get("fresh_start") else "its start adapter"
+    start = "the base (a fresh adapter)" if metadata.get(FRESH_START) else "its start adapter"
     return (
         f"federated {metadata.get('register', 'adapter')} gain {g['gain']:+.3f} nats/token "
         f"[{g['low']:+.3f}, {g['high']:+.3f}] over {start}, {at}{said}"

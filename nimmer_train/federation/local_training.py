@@ -118,11 +118,8 @@ def reusable_trainable(base_dir: Path, adapter_dir: Path) -> tuple[PeftModel, Pr
     mtime of each folder and its files; one entry): a simulation's process hosts many nodes,
     and loading the base was most of a small adapter's node. Only for plain SGD, which sets every
     trainable weight from the round's arrays before its first step (:func:`sgd_locally`)."""
-    key = tuple(
-        (str(f), f.stat().st_ino, f.stat().st_size, f.stat().st_mtime_ns)
-        for d in (base_dir, adapter_dir)
-        for f in (d, *sorted(d.iterdir()))
-    )
+    stats = [(f, f.stat()) for d in (base_dir, adapter_dir) for f in (d, *sorted(d.iterdir()))]
+    key = tuple((str(f), st.st_ino, st.st_size, st.st_mtime_ns) for f, st in stats)
     if key not in _LOADED:
         _LOADED.clear()
         _LOADED[key] = load_trainable(base_dir, adapter_dir)

@@ -107,11 +107,11 @@ def locate(cfg: Config, loras: LoraResult | None) -> tuple[Path, Path, str]:
 def _start_base(cfg: Config, loras: LoraResult | None, register: str) -> Path:
     """The base a fresh start adapter goes on: the one the register LoRAs were trained on, else
     ``lora.base_dir``, else the base this config builds (its inputs found, never built)."""
-    if loras is not None and register in loras.adapters:
-        label = read_metadata(loras.adapters[register])["base"]["label"]
-        base = Path(cfg.lora.base_dir) if cfg.lora.base_dir else base_path(cfg.paths.artifacts_dir(), label)
-    elif cfg.lora.base_dir:
+    if cfg.lora.base_dir:
         base = Path(cfg.lora.base_dir)
+    elif loras is not None and register in loras.adapters:
+        label = read_metadata(loras.adapters[register])["base"]["label"]
+        base = base_path(cfg.paths.artifacts_dir(), label)
     else:
         artifacts = cfg.paths.artifacts_dir()
         synth = find_synth(cfg.composition, cfg.registers, cfg.teacher, cfg.curation, artifacts)

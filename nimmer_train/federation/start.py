@@ -9,11 +9,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nimmer_train.artifacts import atomic_dir, fingerprint, intact_manifest, write_json_atomic, write_manifest
+from nimmer_train.artifacts import (
+    FRESH_START,
+    atomic_dir,
+    fingerprint,
+    intact_manifest,
+    write_json_atomic,
+    write_manifest,
+)
 from nimmer_train.config.federated import FederatedConfig
 from nimmer_train.loras.adapters import METADATA, base_identity, load_base
-
-FRESH_START = "fresh_start"  # the adapter metadata's key for the spec: its presence marks the kind
 
 
 def fresh_start_adapter(base_dir: Path, federated: FederatedConfig, register: str, root: Path) -> Path:

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from nimmer_train.artifacts import FRESH_START
 from nimmer_train.publish.listing import A1, A2, caveat_label, privacy_caveats
 from nimmer_train.publish.quantize import artifact_lines
 
@@ -402,7 +403,7 @@ def _merged_what(merged: dict[str, Any]) -> str:
     """What a version's merged adapter is: a register's voice after federated rounds, or a fresh
     small adapter its population trained (the register keeps its own LoRA)."""
     rounds = f"(federation `{merged['federation'][:12]}`, {merged['rounds']} rounds)"
-    fresh = merged.get("fresh_start")
+    fresh = merged.get(FRESH_START)
     if not fresh:
         return f"the `{merged['register']}` adapter after federated rounds {rounds}"
     return (
@@ -432,7 +433,7 @@ def _gain_line(merged: dict[str, Any], before: float, after: float) -> str:
         verdict = ": **the interval reaches 0: no gain shown at this epsilon**"
     return (
         f"- Federated gain of the `{merged['register']}` adapter over the adapter it started from"
-        f"{' (the base itself: a fresh adapter starts at zero)' if merged.get('fresh_start') else ''}, on "
+        f"{' (the base itself: a fresh adapter starts at zero)' if merged.get(FRESH_START) else ''}, on "
         f"the federation's held-out lines (synthetic player memories, not r1; mean over every token): "
         f"{before:.3f} -> {after:.3f} nats ({gain:+.3f}; {spread}){verdict}"
     )

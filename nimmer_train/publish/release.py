@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nimmer_train.artifacts import (
+    FRESH_START,
     MANIFEST,
     README,
     atomic_dir,
@@ -483,7 +484,7 @@ def _merged_adapter(req: PublishRequest, merged_meta: dict[str, Any] | None) -> 
         "register": merged_meta["register"],
         # the fresh adapter's spec when the federation started from one (artifacts.merged_voice:
         # the population's change to the base; the register keeps its LoRA), else None
-        "fresh_start": merged_meta.get("fresh_start"),
+        FRESH_START: merged_meta.get(FRESH_START),
         "fingerprint": read_manifest(req.merge_adapter)["fingerprint"],
         "federation": fed.get("fingerprint", ""),
         "rounds": fed.get("rounds", 0),
