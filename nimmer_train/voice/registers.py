@@ -26,6 +26,17 @@ class VarietyLevel:
     repetition_penalty: float = MISSING
     min_p: float = MISSING
     no_repeat_ngram_size: int = 0  # no n-gram of the reply's own tokens twice (0: off)
+    # NPC turns only (the teacher is asked, and the replay set keyed, at repetition_penalty): the
+    # penalty a turn starts from when the small speaker needs another than the teacher (None: the
+    # same). SmolLM2 at temperature 0.2 loops on one frame a large teacher never did.
+    turn_repetition_penalty: float | None = None
+
+    @property
+    def turn_penalty(self) -> float:
+        """The repetition penalty an NPC turn starts from."""
+        return (
+            self.repetition_penalty if self.turn_repetition_penalty is None else self.turn_repetition_penalty
+        )
 
 
 @dataclass
@@ -62,6 +73,11 @@ class RegistersConfig:
                 raise ConfigError(
                     f"registers.variety.{level}.no_repeat_ngram_size",
                     f"must be an integer in [0, 64] (0: off), not {knobs.no_repeat_ngram_size}",
+                )
+            if knobs.turn_repetition_penalty is not None and not knobs.turn_repetition_penalty > 0:
+                raise ConfigError(
+                    f"registers.variety.{level}.turn_repetition_penalty",
+                    f"must be > 0 (1: off) or null (the teacher's), not {knobs.turn_repetition_penalty}",
                 )
         if not 4 <= len(self.catalogue) <= 6:
             raise ConfigError("registers.catalogue", f"v1 has 4 to 6 registers, got {len(self.catalogue)}")

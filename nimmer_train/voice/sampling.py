@@ -84,7 +84,10 @@ def bounds(catalogue: RegistersConfig, register: str) -> dict[str, tuple[float, 
     ladder = sorted(catalogue.variety, key=lambda level: catalogue.variety[level].top_k)
     i = ladder.index(catalogue.get(register).sampling.variety)
     near = [catalogue.variety[level] for level in ladder[max(0, i - 1) : i + 2]]
-    span = {k: (min(getattr(v, k) for v in near), max(getattr(v, k) for v in near)) for k in KNOBS[2:]}
+    values = {
+        k: [v.turn_penalty if k == "repetition_penalty" else getattr(v, k) for v in near] for k in KNOBS[2:]
+    }
+    span = {k: (min(vs), max(vs)) for k, vs in values.items()}
     (t_low, t_high), (p_low, p_high) = TEMPERATURE_RANGE, TOP_P_RANGE
     return {
         "temperature": (
@@ -116,11 +119,12 @@ def shape_knobs(
     """The knobs for one turn, the only place they are shaped: the register's row of the scene
     table, shifted by how far this NPC's trait vector sits from the register's profile, then
     modulated by affect (after mood: arousal heats and widens, up to +-20% temperature; distress
-    (negative valence) discourages repetition), with the register's variety level's no-repeat
-    n-gram guard and the runtime's length cap (None: the knobs' default); last, the director's
-    overrides, each within the register's :func:`bounds` (an unknown knob or a value outside them
-    is refused, naming knob, value and bounds)."""
+    (negative valence) discourages repetition), from the variety level's turn repetition penalty,
+    with its no-repeat n-gram guard and the runtime's length cap (None: the knobs' default); last,
+    the director's overrides, each within the register's :func:`bounds` (an unknown knob or a
+    value outside them is refused, naming knob, value and bounds)."""
     knobs = baseline(catalogue, register)
+    level = catalogue.variety[catalogue.get(register).sampling.variety]
     temperature, top_p = knobs.temperature, knobs.top_p
     if traits:
         own_t, own_p = from_traits(traits)
@@ -132,9 +136,9 @@ def shape_knobs(
         knobs,
         temperature=round(_clamp(temperature, *TEMPERATURE_RANGE), 4),
         top_p=round(_clamp(top_p, *TOP_P_RANGE), 4),
-        repetition_penalty=round(knobs.repetition_penalty + 0.05 * max(0.0, -valence), 4),
+        repetition_penalty=round(level.turn_penalty + 0.05 * max(0.0, -valence), 4),
         max_new_tokens=max_new_tokens or knobs.max_new_tokens,
-        no_repeat_ngram_size=catalogue.variety[catalogue.get(register).sampling.variety].no_repeat_ngram_size,
+        no_repeat_ngram_size=level.no_repeat_ngram_size,
     )
     if not director:
         return TurnKnobs(shaped, {})

@@ -16,7 +16,10 @@ def test_knobs_follow_the_scene_table_traits_and_affect() -> None:
     for name in CATALOGUE.names:  # the register's own profile at neutral affect: the design's row
         table = baseline(CATALOGUE, name)
         turn = shape_knobs(CATALOGUE, name, CATALOGUE.get(name).traits).knobs
-        assert turn == dataclasses.replace(table, no_repeat_ngram_size=6)  # the runtime's guard
+        level = CATALOGUE.variety[CATALOGUE.get(name).sampling.variety]
+        assert turn == dataclasses.replace(  # the runtime's guards: the n-gram one and the turn penalty
+            table, no_repeat_ngram_size=6, repetition_penalty=level.turn_penalty
+        )
     assert (
         baseline(CATALOGUE, "drunk-scavenger").temperature,
         baseline(CATALOGUE, "caste-preacher").top_p,
@@ -30,6 +33,26 @@ def test_knobs_follow_the_scene_table_traits_and_affect() -> None:
         shape_knobs(CATALOGUE, "clasp-confession", restrained).knobs.temperature
         < baseline(CATALOGUE, "clasp-confession").temperature
     )
+
+
+def test_a_turn_starts_from_its_levels_turn_penalty_and_the_teacher_from_its_own() -> None:
+    """The teacher's knobs (what the replay set is keyed on) keep the level's repetition penalty;
+    an NPC turn of a very_low register starts above it (at 1.0 SmolLM2 looped "The cistern is
+    full. The cistern is empty. ..."), and the director's bounds span the turn penalties."""
+    import pytest
+
+    from nimmer_train.errors import ConfigError
+    from nimmer_train.voice.registers import RegistersConfig
+
+    level = CATALOGUE.variety["very_low"]
+    assert baseline(CATALOGUE, "hivemind-broadcast").repetition_penalty == level.repetition_penalty == 1.0
+    assert shape_knobs(CATALOGUE, "hivemind-broadcast").knobs.repetition_penalty == level.turn_penalty == 1.1
+    assert bounds(CATALOGUE, "hivemind-broadcast")["repetition_penalty"] == (1.1, 1.1)
+    same = dataclasses.replace(level, turn_repetition_penalty=None)
+    assert same.turn_penalty == same.repetition_penalty  # null: the teacher's
+    bad = {**CATALOGUE.variety, "very_low": dataclasses.replace(level, turn_repetition_penalty=0.0)}
+    with pytest.raises(ConfigError, match=r"registers\.variety\.very_low\.turn_repetition_penalty"):
+        RegistersConfig(CATALOGUE.version, bad, CATALOGUE.catalogue)
 
 
 def test_the_length_cap_and_the_directors_overrides_are_shaped_in_the_same_call() -> None:
