@@ -10,6 +10,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from nimmer_train.backup.device import DeviceKey
 from nimmer_train.federation.intake_service import IntakeClient, IntakeStore, create_app
 from tests.helpers.loopback import serve_app
@@ -66,11 +68,31 @@ def test_three_keys_cannot_fill_the_stage_and_a_restart_frees_what_they_held(tmp
         assert _upload(_device(url), "an honest line after the restart") == 200
 
 
-def test_a_staged_upload_expires_and_frees_its_keys_share(tmp_path: Path) -> None:
+class _Clock:
+    """The intake service's clock (its module's ``time`` alone), moved on by the test: a TTL
+    expires when the test says so, not when a stalled worker lets a real second pass."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset
+
+    def time(self) -> float:
+        return time.time() + self.offset
+
+
+def test_a_staged_upload_expires_and_frees_its_keys_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nimmer_train.federation import intake_service
+
+    clock = _Clock()
+    monkeypatch.setattr(intake_service, "time", clock)
     folder = tmp_path / "intake"
-    with serve_app(create_app(_store(folder, ttl_s=1.0))) as url:
+    with serve_app(create_app(_store(folder, ttl_s=60.0))) as url:
         attacker = _device(url)
         assert [_upload(attacker, "x" * 500) for _ in range(3)] == [200, 200, 429]
-        time.sleep(1.2)  # past the TTL: the next upload prunes the expired ones first
+        clock.offset += 61  # past the TTL: the next upload prunes the expired ones first
         assert _upload(attacker, "x" * 500) == 200
         assert _staged(folder) == 1
