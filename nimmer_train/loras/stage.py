@@ -43,7 +43,7 @@ from nimmer_train.loras.train import (
 )
 from nimmer_train.progress import Progress, with_progress
 from nimmer_train.synth.synthesize import SynthResult, find_synth
-from nimmer_train.voice.registers import Register
+from nimmer_train.voice.registers import Register, teachers_view
 
 log = logging.getLogger(__name__)
 EVALUATION = "evaluation.json"  # in the adapters' folder: the last evaluation and the adapters it scored
@@ -153,7 +153,7 @@ def _evaluation_key(inputs: _Inputs, adapters: dict[str, Path], cfg: Config) -> 
             k: getattr(s, k)
             for k in ("eval_max_examples", "max_length", "dtype", "seed", "sample_max_new_tokens")
         },
-        "registers": fingerprint(dataclasses.asdict(cfg.registers)),
+        "registers": fingerprint(teachers_view(cfg.registers)),
     }
 
 

@@ -47,7 +47,7 @@ from nimmer_train.synth.teacher import ResponseCache, make_teacher, run_requests
 from nimmer_train.synth.teacher.checkpoint import resolve_teacher
 from nimmer_train.voice.composition import CompositionConfig, GenerationRequest, expand
 from nimmer_train.voice.prompt_dsl import render_compact, render_reply
-from nimmer_train.voice.registers import RegistersConfig
+from nimmer_train.voice.registers import RegistersConfig, teachers_view
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def synth_fingerprint(
             "version": SYNTH_VERSION,
             "code": code,
             "composition": dataclasses.asdict(spec),
-            "registers": dataclasses.asdict(catalogue),
+            "registers": teachers_view(catalogue),
             "teacher": teacher_settings,
             "curation": dataclasses.asdict(curation),
         }

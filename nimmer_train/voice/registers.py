@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 
@@ -74,10 +76,11 @@ class RegistersConfig:
                     f"registers.variety.{level}.no_repeat_ngram_size",
                     f"must be an integer in [0, 64] (0: off), not {knobs.no_repeat_ngram_size}",
                 )
-            if knobs.turn_repetition_penalty is not None and not knobs.turn_repetition_penalty > 0:
+            penalty = knobs.turn_repetition_penalty
+            if penalty is not None and not 0 < penalty <= 10:  # nimmer serve's bound (nan fails too)
                 raise ConfigError(
                     f"registers.variety.{level}.turn_repetition_penalty",
-                    f"must be > 0 (1: off) or null (the teacher's), not {knobs.turn_repetition_penalty}",
+                    f"must be in (0, 10] (1: off) or null (the teacher's), not {penalty}",
                 )
         if not 4 <= len(self.catalogue) <= 6:
             raise ConfigError("registers.catalogue", f"v1 has 4 to 6 registers, got {len(self.catalogue)}")
@@ -106,6 +109,21 @@ class RegistersConfig:
                 f"unknown register {name!r}; known registers ({self.version}): {', '.join(self.catalogue)}"
             )
         return self.catalogue[name]
+
+
+TURN_ONLY = ("turn_repetition_penalty",)  # VarietyLevel fields that only NPC turns read
+
+
+def teachers_view(catalogue: RegistersConfig) -> dict[str, Any]:
+    """The catalogue as the teacher and the training stages read it, for their fingerprints:
+    without the fields only NPC turns read, so that tuning one renames no synthetic corpus and
+    retrains nothing. (``no_repeat_ngram_size``, turn-only too, stays: the fingerprints have
+    always held it, and dropping it would rebuild every existing workdir once.)"""
+    out = dataclasses.asdict(catalogue)
+    for level in out["variety"].values():
+        for key in TURN_ONLY:
+            del level[key]
+    return out
 
 
 def load_catalogue(version: str = "v1", path: Path | None = None) -> RegistersConfig:

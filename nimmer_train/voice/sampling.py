@@ -77,16 +77,15 @@ def from_traits(traits: dict[str, float]) -> tuple[float, float]:
 def bounds(catalogue: RegistersConfig, register: str) -> dict[str, tuple[float, float]]:
     """The (low, high) a director may set each knob to for ``register`` (design: "Runtime sampling
     knobs", "per-turn director-controlled levers"): the baseline's temperature +-0.3 and top-p
-    +-0.15, and top-k, repetition penalty and min-p within the span of the register's variety
-    level and its neighbours on the catalogue's variety ladder. The director shades a register's
-    voice; it cannot make the hivemind sound like a drunk scavenger."""
+    +-0.15, and top-k, repetition penalty (the teacher's and the turns') and min-p within the span
+    of the register's variety level and its neighbours on the catalogue's variety ladder. The
+    director shades a register's voice; it cannot make the hivemind sound like a drunk scavenger."""
     base = baseline(catalogue, register)
     ladder = sorted(catalogue.variety, key=lambda level: catalogue.variety[level].top_k)
     i = ladder.index(catalogue.get(register).sampling.variety)
     near = [catalogue.variety[level] for level in ladder[max(0, i - 1) : i + 2]]
-    values = {
-        k: [v.turn_penalty if k == "repetition_penalty" else getattr(v, k) for v in near] for k in KNOBS[2:]
-    }
+    values = {k: [getattr(v, k) for v in near] for k in KNOBS[2:]}
+    values["repetition_penalty"] += [v.turn_penalty for v in near]  # the teacher's and the turns'
     span = {k: (min(vs), max(vs)) for k, vs in values.items()}
     (t_low, t_high), (p_low, p_high) = TEMPERATURE_RANGE, TOP_P_RANGE
     return {

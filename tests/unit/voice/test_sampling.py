@@ -38,7 +38,7 @@ def test_knobs_follow_the_scene_table_traits_and_affect() -> None:
 def test_a_turn_starts_from_its_levels_turn_penalty_and_the_teacher_from_its_own() -> None:
     """The teacher's knobs (what the replay set is keyed on) keep the level's repetition penalty;
     an NPC turn of a very_low register starts above it (at 1.0 SmolLM2 looped "The cistern is
-    full. The cistern is empty. ..."), and the director's bounds span the turn penalties."""
+    full. The cistern is empty. ..."), and the director's bounds span both."""
     import pytest
 
     from nimmer_train.errors import ConfigError
@@ -47,7 +47,7 @@ def test_a_turn_starts_from_its_levels_turn_penalty_and_the_teacher_from_its_own
     level = CATALOGUE.variety["very_low"]
     assert baseline(CATALOGUE, "hivemind-broadcast").repetition_penalty == level.repetition_penalty == 1.0
     assert shape_knobs(CATALOGUE, "hivemind-broadcast").knobs.repetition_penalty == level.turn_penalty == 1.1
-    assert bounds(CATALOGUE, "hivemind-broadcast")["repetition_penalty"] == (1.1, 1.1)
+    assert bounds(CATALOGUE, "hivemind-broadcast")["repetition_penalty"] == (1.0, 1.1)  # the lever stays
     same = dataclasses.replace(level, turn_repetition_penalty=None)
     assert same.turn_penalty == same.repetition_penalty  # null: the teacher's
     bad = {**CATALOGUE.variety, "very_low": dataclasses.replace(level, turn_repetition_penalty=0.0)}
