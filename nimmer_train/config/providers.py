@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nimmer_train.errors import ConfigError
-from nimmer_train.voice.sampling import KNOBS, SamplingKnobs
+from nimmer_train.voice.sampling import GUARDS, KNOBS, SamplingKnobs
 
 STRUCTURED = ("json_schema", "json_mode", "tool_call")
 
@@ -79,8 +79,8 @@ def adapt(knobs: SamplingKnobs, provider: str) -> tuple[SamplingKnobs, list[str]
     turn records the knobs as shaped, with what the wire lost as feature_compat_warnings."""
     row = profile(provider)
     warnings = config_warnings(provider)
-    if knobs.no_repeat_ngram_size:  # no provider's API has it (the request bodies never send it)
-        warnings.append("no_repeat_ngram_size_unsupported_dropped")
+    # no provider's API has the project's guards (the request bodies never send them)
+    warnings += [f"{guard}_unsupported_dropped" for guard in GUARDS if getattr(knobs, guard)]
     low, high = row.temperature
     if not low <= knobs.temperature <= high:
         clamped = min(high, max(low, knobs.temperature))

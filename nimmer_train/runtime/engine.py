@@ -45,6 +45,7 @@ from nimmer_train.runtime.decode_attention import takes_ragged
 from nimmer_train.runtime.serve_metrics import ServeMetrics
 from nimmer_train.runtime.stacked_lora import StackedLora, lora_linears
 from nimmer_train.voice.sampling import SamplingKnobs, sample_rows, warp_rows
+from nimmer_train.voice.sentence_guard import ReplySentences, SentenceGuard
 
 MAX_TOP_LOGPROBS = 20
 
@@ -133,6 +134,7 @@ class _Row:
     held: int = 0  # tokens since the last Delta
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish: str | None = None
+    sentences: ReplySentences | None = None  # the sentence guard's count (max_sentence_repeats)
 
 
 def _rows_of(job: Job) -> list[_Row]:
@@ -187,6 +189,7 @@ class Engine:
         self.stream_interval = stream_interval
         self.metrics = metrics or ServeMetrics()
         self.prefixes = PrefixCache(prefix_cache_entries)
+        self.sentence_guard: SentenceGuard | None = None
         self.waiting: collections.deque[Job] = collections.deque()
         self.controls: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
         self.rows: list[_Row] = []
@@ -553,7 +556,8 @@ class Engine:
             for i in constrained:
                 allowed = rows[i].grammar.allowed(len(rows[i].ids), scores.shape[-1])
                 scores[i].masked_fill_(~allowed, float("-inf"))
-        scores = warp_rows(scores, [r.job.knobs for r in rows], [r.ids for r in rows])
+        banned = [self._sentence_bans(r) for r in rows]
+        scores = warp_rows(scores, [r.job.knobs for r in rows], [r.ids for r in rows], banned)
         dead = torch.isneginf(scores).all(dim=-1)
         if bool(dead.any()):  # nothing allowed (a grammar in error): end the row, never sample NaN
             for i in dead.nonzero().flatten().tolist():
@@ -565,6 +569,17 @@ class Engine:
                 if row.job.logprobs is not None:
                     row.pending.append(self._logprob(raw[i], tokens[i], row.job.logprobs))
         return tokens
+
+    def _sentence_bans(self, row: _Row) -> set[int]:
+        """The tokens that would end a sentence ``row`` said its ``max_sentence_repeats`` times."""
+        limit = row.job.knobs.max_sentence_repeats
+        if not limit:
+            return set()
+        if row.sentences is None:
+            if self.sentence_guard is None:  # built on the first guarded row (0.3 s for SmolLM2)
+                self.sentence_guard = SentenceGuard(self.tokenizer, self.stop_ids)
+            row.sentences = self.sentence_guard.reply(limit)
+        return row.sentences.bans(row.ids)
 
     def _logprob(self, raw: torch.Tensor, token: int, top: int) -> dict[str, Any]:
         """OpenAI's logprob entry: the model's own log-probabilities (before knobs and grammar)."""

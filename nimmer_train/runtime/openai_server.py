@@ -5,7 +5,7 @@ request decoded by the model's batching engine (:mod:`nimmer_train.runtime.engin
   vLLM lists LoRA modules.
 - ``POST /v1/chat/completions`` applies the adapter the ``model`` field names; honours
   temperature, top_p, top_k, min_p, repetition_penalty, ``no_repeat_ngram_size`` (HF's name, an
-  extension), max_tokens, seed, ``stop``, ``n``,
+  extension), ``max_sentence_repeats`` (an extension), max_tokens, seed, ``stop``, ``n``,
   ``logprobs``/``top_logprobs``; enforces ``response_format`` (``json_schema`` or
   ``json_object``) while decoding; ``stream: true`` answers with Server-Sent Events in OpenAI's
   chunk format (``stream_options.include_usage`` adds the usage chunk; then ``data: [DONE]``; an

@@ -6,7 +6,7 @@ llama.cpp computes the logits; the next token is chosen here exactly as the torc
 it (``runtime/engine.py``'s ``_choose``): the schema's grammar mask (:class:`RowGrammar`, the
 project's llguidance mask, so every reply is schema-valid under the same grammar), then every
 knob through :func:`warp_rows` (temperature, top-k, top-p, min-p, the repetition penalty on the
-reply's own tokens only, the no-repeat n-gram guard), then :func:`sample_rows` with the turn's
+reply's own tokens only, the no-repeat n-gram and sentence guards), then :func:`sample_rows` with the turn's
 seed. So no knob is approximated and none needs a compat warning; the draws differ from the
 float32 engine's only as far as the quantized logits do.
 
@@ -36,6 +36,7 @@ from nimmer_train.runtime.llama_engine import LlamaContext
 from nimmer_train.runtime.local_model import Generation, VersionSpeaker
 from nimmer_train.runtime.serve_metrics import ServeMetrics
 from nimmer_train.voice.sampling import SamplingKnobs, sample_rows, warp_rows
+from nimmer_train.voice.sentence_guard import ReplySentences, SentenceGuard
 
 QUANTS = ("q4_1", "q8_0")
 WEIGHTS = "model.safetensors"
@@ -95,6 +96,7 @@ class QuantizedModel(VersionSpeaker):
         self.n_vocab = self.context.n_vocab
         self.context_tokens = n_ctx
         self.lock = threading.Lock()
+        self.sentence_guard: SentenceGuard | None = None
         self.engine = SerialEngine(self)  # what nimmer serve --engine llama submits to
 
     @classmethod
@@ -142,12 +144,13 @@ class QuantizedModel(VersionSpeaker):
         after each token may end the reply (a stop string, a client gone) by returning True."""
         logits = self.context.prefill(prompt, adapter)
         ids: list[int] = []
+        sentences = self.sentences(knobs.max_sentence_repeats)
         while True:
             raw = torch.from_numpy(logits)
             scores = raw[None]
             if grammar is not None:
                 scores = scores.masked_fill(~grammar.allowed(len(ids), scores.shape[-1])[None], float("-inf"))
-            scores = warp_rows(scores, [knobs], [ids])
+            scores = warp_rows(scores, [knobs], [ids], [sentences.bans(ids) if sentences else set()])
             if bool(torch.isneginf(scores).all()):  # nothing allowed (a grammar in error): end
                 return ids, "stop"
             token = sample_rows(scores, [generator])[0]
@@ -159,6 +162,14 @@ class QuantizedModel(VersionSpeaker):
             if len(ids) >= knobs.max_new_tokens:
                 return ids, "length"
             logits = self.context.step(token)
+
+    def sentences(self, limit: int) -> ReplySentences | None:
+        """The sentence guard's count for one reply (None: ``limit`` 0, off)."""
+        if not limit:
+            return None
+        if self.sentence_guard is None:  # built on the first guarded turn (0.3 s for SmolLM2)
+            self.sentence_guard = SentenceGuard(self.tokenizer, self.stop_ids)
+        return self.sentence_guard.reply(limit)
 
     def load_register(self, register: str) -> None:
         raise NimmerError("engine llama loads the version's LoRAs at start; restart nimmer serve to add one")

@@ -166,6 +166,7 @@ def check_knobs(body: dict[str, Any]) -> SamplingKnobs:
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0, low_open=False),
         max_new_tokens=1,
         no_repeat_ngram_size=_integer(body, "no_repeat_ngram_size", 0, 64) or 0,  # HF's name; an extension
+        max_sentence_repeats=_integer(body, "max_sentence_repeats", 0, 64) or 0,  # an extension too
     )
 
 

@@ -32,6 +32,9 @@ class VarietyLevel:
     # penalty a turn starts from when the small speaker needs another than the teacher (None: the
     # same). SmolLM2 at temperature 0.2 loops on one frame a large teacher never did.
     turn_repetition_penalty: float | None = None
+    # NPC turns only: no sentence said more than this many times in one reply (0: off; the voice
+    # bar's limit is 2). voice/sentence_guard.py holds it while decoding.
+    max_sentence_repeats: int = 0
 
     @property
     def turn_penalty(self) -> float:
@@ -76,6 +79,11 @@ class RegistersConfig:
                     f"registers.variety.{level}.no_repeat_ngram_size",
                     f"must be an integer in [0, 64] (0: off), not {knobs.no_repeat_ngram_size}",
                 )
+            if not 0 <= knobs.max_sentence_repeats <= 64:  # nimmer serve's bound for the field
+                raise ConfigError(
+                    f"registers.variety.{level}.max_sentence_repeats",
+                    f"must be an integer in [0, 64] (0: off), not {knobs.max_sentence_repeats}",
+                )
             penalty = knobs.turn_repetition_penalty
             if penalty is not None and not 0 < penalty <= 10:  # nimmer serve's bound (nan fails too)
                 raise ConfigError(
@@ -111,7 +119,8 @@ class RegistersConfig:
         return self.catalogue[name]
 
 
-TURN_ONLY = ("turn_repetition_penalty",)  # VarietyLevel fields that only NPC turns read
+# VarietyLevel fields that only NPC turns read
+TURN_ONLY = ("turn_repetition_penalty", "max_sentence_repeats")
 
 
 def teachers_view(catalogue: RegistersConfig) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Sampling knobs for one turn: temperature, top-p, top-k, repetition penalty, min-p, and the
-no-repeat n-gram guard; a register's baseline and the bounds a director may move it within, side
+no-repeat n-gram and sentence guards; a register's baseline and the bounds a director may move it within, side
 by side; :func:`shape_knobs`, the one function that shapes a turn's knobs; and the knobs applied
 as logits processors for the in-process decoders."""
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # transformers loads only when a decoder does
     from transformers import LogitsProcessorList
 
 KNOBS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")  # what a director may set
+GUARDS = ("no_repeat_ngram_size", "max_sentence_repeats")  # the project's extensions: 0 is off
 TEMPERATURE_RANGE, TOP_P_RANGE = (0.05, 2.0), (0.1, 1.0)  # what any turn's knobs are clamped into
 TEMPERATURE_SPAN, TOP_P_SPAN = 0.3, 0.15  # how far a director may move them from the baseline
 
@@ -32,12 +33,16 @@ class SamplingKnobs:
     # no n-gram of this many of the reply's own tokens twice (0: off): at a register's low
     # temperature a real base otherwise loops ("The gate is closed. The gate is closed. ...")
     no_repeat_ngram_size: int = 0
+    # no sentence said more than this many times in one reply (0: off): the n-gram guard misses
+    # "Ha! Ha! You missed a coil. Ha!" (voice/sentence_guard.py)
+    max_sentence_repeats: int = 0
 
     def as_dict(self) -> dict[str, float | int]:
-        """The knobs (``no_repeat_ngram_size`` only when on: OpenAI's API has no such field)."""
+        """The knobs (the two guards only when on: OpenAI's API has no such fields)."""
         out = asdict(self)
-        if not self.no_repeat_ngram_size:
-            del out["no_repeat_ngram_size"]
+        for guard in GUARDS:
+            if not out[guard]:
+                del out[guard]
         return out
 
     def generate_kwargs(self) -> dict[str, bool | float | int]:
@@ -119,9 +124,9 @@ def shape_knobs(
     table, shifted by how far this NPC's trait vector sits from the register's profile, then
     modulated by affect (after mood: arousal heats and widens, up to +-20% temperature; distress
     (negative valence) discourages repetition), from the variety level's turn repetition penalty,
-    with its no-repeat n-gram guard and the runtime's length cap (None: the knobs' default); last,
-    the director's overrides, each within the register's :func:`bounds` (an unknown knob or a
-    value outside them is refused, naming knob, value and bounds)."""
+    with its no-repeat n-gram and sentence guards and the runtime's length cap (None: the knobs'
+    default); last, the director's overrides, each within the register's :func:`bounds` (an
+    unknown knob or a value outside them is refused, naming knob, value and bounds)."""
     knobs = baseline(catalogue, register)
     level = catalogue.variety[catalogue.get(register).sampling.variety]
     temperature, top_p = knobs.temperature, knobs.top_p
@@ -138,6 +143,7 @@ def shape_knobs(
         repetition_penalty=round(level.turn_penalty + 0.05 * max(0.0, -valence), 4),
         max_new_tokens=max_new_tokens or knobs.max_new_tokens,
         no_repeat_ngram_size=level.no_repeat_ngram_size,
+        max_sentence_repeats=level.max_sentence_repeats,
     )
     if not director:
         return TurnKnobs(shaped, {})
@@ -223,7 +229,9 @@ def knob_processors(knobs: SamplingKnobs, prompt_len: int) -> LogitsProcessorLis
     The repetition penalty and the n-gram guard count only the generated tokens: the first
     ``prompt_len`` positions (the prompt, with the memory items and scene words an NPC should
     repeat) are never penalised. HF's ``generate`` and vLLM both count the prompt; a Ring B
-    served by vLLM differs here (and has no n-gram guard)."""
+    served by vLLM differs here (and has no n-gram guard). The sentence guard reads text, so only
+    the runtime's engines hold it (they have the tokenizer): these decoders never get a turn's
+    ``max_sentence_repeats``."""
     from transformers import (
         LogitsProcessorList,
         MinPLogitsWarper,
@@ -249,16 +257,21 @@ def knob_processors(knobs: SamplingKnobs, prompt_len: int) -> LogitsProcessorLis
     return LogitsProcessorList(processors)
 
 
-def warp_rows(scores: Any, knobs: list[SamplingKnobs], generated: list[list[int]]) -> Any:
+def warp_rows(
+    scores: Any, knobs: list[SamplingKnobs], generated: list[list[int]], banned: list[set[int]] | None = None
+) -> Any:
     """:func:`knob_processors` for a batch in which every row has its own knobs: ``scores``
     ``[B, V]`` (row i under ``knobs[i]``) processed in the same order and with the same results,
     the n-gram guard and the repetition penalty over ``generated[i]`` only (the row's own
-    generated tokens: never the prompt, never another row's padding). Rows whose knobs are
-    neutral come back unchanged."""
+    generated tokens: never the prompt, never another row's padding). ``banned[i]``: more tokens
+    row i may not take, banned with the n-gram guard's (the sentence guard's, which needs the
+    text: :mod:`.sentence_guard`). Rows whose knobs are neutral come back unchanged."""
     import torch
 
     rows, vocab = scores.shape
     bans = [repeated_ngram_bans(ids, k.no_repeat_ngram_size) for k, ids in zip(knobs, generated, strict=True)]
+    if banned is not None:
+        bans = [own | more for own, more in zip(bans, banned, strict=True)]
     if any(bans):
         scores = _ban(scores, bans)
     penalty = torch.tensor([k.repetition_penalty for k in knobs], dtype=scores.dtype)

@@ -6,8 +6,6 @@ happens to prefer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 
 from nimmer_train.runtime.local_model import LocalModel
 from nimmer_train.voice.sampling import SamplingKnobs, knob_processors
+from tests.helpers.forced_logits import forced_logits
 
 MESSAGES = [
     {"role": "system", "content": '{"role":"a drunk scavenger","zone_context":"the copper coil yard"}'},
@@ -37,25 +36,6 @@ def tiny_model(tiny_run: Path) -> LocalModel:
     return LocalModel.open(tiny_run / "releases", "v1", tiny_run / "keys" / "trusted")
 
 
-@contextmanager
-def logits(model: LocalModel, favour: dict[int, float]) -> Iterator[None]:
-    """Every forward pass of ``model`` answers with ``favour`` (token -> logit), -1e4 elsewhere."""
-
-    def hook(module, args, output):  # noqa: ANN001, ANN202
-        forced = torch.full_like(output.logits, -1e4)
-        for token, value in favour.items():
-            forced[..., token] = value
-        output.logits = forced
-        return output
-
-    inner = model.model.get_base_model() if hasattr(model.model, "get_base_model") else model.model
-    handle = inner.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 def _prompt_ids(model: LocalModel) -> list[int]:
     ids = model.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)
     return list(ids["input_ids"])
@@ -76,7 +56,7 @@ def test_ring_a_does_not_penalise_a_word_of_the_prompt(
     other = next(t for t in range(10, len(tiny_model.tokenizer)) if t not in prompt)
     assert word in prompt
     knobs = SamplingKnobs(0.05, 1.0, 0, repetition_penalty=knob_penalty, min_p=0.0, max_new_tokens=1)
-    with logits(tiny_model, {word: 10.0, other: 9.0}):
+    with forced_logits(tiny_model, {word: 10.0, other: 9.0}):
         out = tiny_model.generate(MESSAGES, tiny_model.registers[0], knobs, seed=3)
     tiny_model.model.generation_config.repetition_penalty = None
     assert out.completion_tokens == 1
@@ -87,6 +67,6 @@ def test_ring_a_does_not_penalise_a_word_of_the_prompt(
 def test_ring_a_stops_at_the_end_of_turn_token(tiny_model: LocalModel) -> None:
     im_end = tiny_model.tokenizer.convert_tokens_to_ids("<|im_end|>")
     knobs = SamplingKnobs(1.0, 1.0, 0, repetition_penalty=1.0, min_p=0.0, max_new_tokens=24)
-    with logits(tiny_model, {im_end: 10.0}):
+    with forced_logits(tiny_model, {im_end: 10.0}):
         out = tiny_model.generate(MESSAGES, tiny_model.registers[0], knobs, seed=1)
     assert out.completion_tokens == 1 and out.text == ""  # stopped at once, not 24 tokens later

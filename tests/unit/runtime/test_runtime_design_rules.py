@@ -21,7 +21,7 @@ from nimmer_train.runtime.rings import RingC, RingConfig, RingReply, player_ring
 from nimmer_train.runtime.turn import NpcRuntime, TurnRequest
 from nimmer_train.voice.prompt_dsl import render_compact
 from nimmer_train.voice.registers import load_catalogue
-from nimmer_train.voice.sampling import SamplingKnobs, bounds
+from nimmer_train.voice.sampling import GUARDS, SamplingKnobs, bounds
 from tests.helpers.llm_server import serve
 from tests.helpers.memory import HashEmbedder
 
@@ -155,9 +155,9 @@ def test_a_provider_with_every_knob_gets_them_all(monkeypatch: pytest.MonkeyPatc
         turn = NpcRuntime(CATALOGUE, {"casual": RingC(cfg)}).speak(_request("drunk-scavenger"))
     sent = server.requests[-1]
     assert {"top_k", "repetition_penalty", "min_p"} <= set(sent) and sent["top_k"] == turn.knobs["top_k"]
-    # the design's knobs all arrive; only the no-repeat guard, which no provider's API has, is dropped
+    # the design's knobs all arrive; only the project's two guards, which no provider's API has, are dropped
     dropped = [w for w in turn.feature_compat_warnings if "dropped" in w or "multi_lora" in w]
-    assert dropped == ["no_repeat_ngram_size_unsupported_dropped"] and "no_repeat_ngram_size" not in sent
+    assert dropped == [f"{g}_unsupported_dropped" for g in GUARDS] and not set(GUARDS) & set(sent)
 
 
 def test_a_temperature_beyond_the_providers_range_is_clamped_with_the_warning(

@@ -17,8 +17,8 @@ def test_knobs_follow_the_scene_table_traits_and_affect() -> None:
         table = baseline(CATALOGUE, name)
         turn = shape_knobs(CATALOGUE, name, CATALOGUE.get(name).traits).knobs
         level = CATALOGUE.variety[CATALOGUE.get(name).sampling.variety]
-        assert turn == dataclasses.replace(  # the runtime's guards: the n-gram one and the turn penalty
-            table, no_repeat_ngram_size=6, repetition_penalty=level.turn_penalty
+        assert turn == dataclasses.replace(  # the runtime's guards (n-gram, sentence), the turn penalty
+            table, no_repeat_ngram_size=6, max_sentence_repeats=2, repetition_penalty=level.turn_penalty
         )
     assert (
         baseline(CATALOGUE, "drunk-scavenger").temperature,

@@ -35,3 +35,21 @@ def test_the_turn_penalty_leaves_the_synth_fingerprint_as_the_teachers_knobs_do(
         return synth_fingerprint(cfg.composition, catalogue, cfg.teacher, cfg.curation)
 
     assert fp(shipped) == fp(teachers) == fp(tuned)
+
+
+def test_the_sentence_guard_leaves_the_synth_fingerprint_too() -> None:
+    cfg = config()
+    shipped = cfg.registers  # every level: max_sentence_repeats 2
+
+    def guarded(limit: int) -> RegistersConfig:
+        variety = {
+            name: dataclasses.replace(level, max_sentence_repeats=limit)
+            for name, level in shipped.variety.items()
+        }
+        return RegistersConfig(shipped.version, variety, shipped.catalogue)
+
+    def fp(catalogue: RegistersConfig) -> str:
+        return synth_fingerprint(cfg.composition, catalogue, cfg.teacher, cfg.curation)
+
+    assert {level.max_sentence_repeats for level in shipped.variety.values()} == {2}
+    assert fp(shipped) == fp(guarded(0)) == fp(guarded(5))
