@@ -578,7 +578,7 @@ class Engine:
         if row.sentences is None:
             if self.sentence_guard is None:  # built on the first guarded row (0.3 s for SmolLM2)
                 self.sentence_guard = SentenceGuard(self.tokenizer, self.stop_ids)
-            row.sentences = self.sentence_guard.reply(limit)
+            row.sentences = self.sentence_guard.reply(limit, structured=row.grammar is not None)
         return row.sentences.bans(row.ids)
 
     def _logprob(self, raw: torch.Tensor, token: int, top: int) -> dict[str, Any]:

@@ -144,7 +144,7 @@ class QuantizedModel(VersionSpeaker):
         after each token may end the reply (a stop string, a client gone) by returning True."""
         logits = self.context.prefill(prompt, adapter)
         ids: list[int] = []
-        sentences = self.sentences(knobs.max_sentence_repeats)
+        sentences = self.sentences(knobs.max_sentence_repeats, structured=grammar is not None)
         while True:
             raw = torch.from_numpy(logits)
             scores = raw[None]
@@ -163,13 +163,13 @@ class QuantizedModel(VersionSpeaker):
                 return ids, "length"
             logits = self.context.step(token)
 
-    def sentences(self, limit: int) -> ReplySentences | None:
+    def sentences(self, limit: int, structured: bool) -> ReplySentences | None:
         """The sentence guard's count for one reply (None: ``limit`` 0, off)."""
         if not limit:
             return None
         if self.sentence_guard is None:  # built on the first guarded turn (0.3 s for SmolLM2)
             self.sentence_guard = SentenceGuard(self.tokenizer, self.stop_ids)
-        return self.sentence_guard.reply(limit)
+        return self.sentence_guard.reply(limit, structured)
 
     def load_register(self, register: str) -> None:
         raise NimmerError("engine llama loads the version's LoRAs at start; restart nimmer serve to add one")

@@ -1,8 +1,13 @@
 """No sentence said more than ``max_sentence_repeats`` times in one reply (issue 38: the drunk
 laughing "Ha! Ha! You missed a coil. Ha!", which the n-gram guard cannot see): the guard bans the
-token that would end a third copy, at a mark, a JSON quote or the end of the reply, and nothing
-else; decoded replies that favour repeating themselves never fail the voice bar's check under it,
-and do without it. A byte-level BPE trained here; a decoder that prefers repeating itself."""
+token that would end a third copy, and nothing else, reading the reply as the voice check reads
+the utterance (JSON escapes decoded, quotes and braces inside it plain characters, keys and other
+fields apart, a character split over byte tokens read whole, a combining accent joined to its
+letter); decoded replies that favour repeating themselves never fail the check under it, and do
+without it. Byte-level BPEs trained here; a decoder that prefers repeating itself.
+
+The review of the first guard (which read the raw JSON text) found each case below it let through
+or banned wrongly; each is a test here."""
 
 from __future__ import annotations
 
@@ -11,12 +16,14 @@ import torch
 
 from nimmer_train.base.tokenizer import train_bpe
 from nimmer_train.voice.prompt_dsl import TURN_SCHEMA, validate_reply
-from nimmer_train.voice.quality import SENTENCE_END, repeats_sentence
+from nimmer_train.voice.quality import repeats_sentence
 from nimmer_train.voice.sampling import SamplingKnobs, sample_rows, warp_rows
-from nimmer_train.voice.sentence_guard import BREAKS, SentenceGuard
+from nimmer_train.voice.sentence_guard import SentenceGuard
 from nimmer_train.voice.structured import RowGrammar, end_of_turn_ids
 
-TEXTS = ['{"utterance": "Ha! Ha! You missed a coil, I forgot one. Ha ha. Halt... Hah?"}' * 10] * 8
+LINE = '{"utterance": "Ha! Ha! You missed a coil, I forgot one. Ha ha. Halt... Hah?\\nHalt"}'
+TEXTS = [LINE * 10] * 8
+ACCENTED = ['{"utterance": "Ha! Ha! You missed a coil. Cafe\u0301! Cafe\u0301? Halt... Hah?"}' * 10] * 8
 
 
 @pytest.fixture(scope="module")
@@ -28,31 +35,88 @@ def _ids(tokenizer, text: str) -> list[int]:  # noqa: ANN001
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _enders(tokenizer, ids: list[int], limit: int = 2) -> set[str]:  # noqa: ANN001
-    """The texts of the tokens banned after ``ids``, each token's text up to its first mark."""
+def _bans(tokenizer, text: str, limit: int = 2, structured: bool = False) -> set[str]:  # noqa: ANN001
+    """The texts of the tokens banned after ``text``."""
     guard = SentenceGuard(tokenizer, end_of_turn_ids(tokenizer))
-    return {tokenizer.decode([t]) for t in guard.reply(limit).bans(ids)}
-
-
-def test_every_mark_of_the_voice_check_ends_a_sentence_for_the_guard() -> None:
-    for mark in ".!?\u2026\n":
-        assert SENTENCE_END.fullmatch(mark) and BREAKS.fullmatch(mark)
-    assert BREAKS.fullmatch('"') and not SENTENCE_END.fullmatch('"')  # the JSON field's end too
+    return {tokenizer.decode([t]) for t in guard.reply(limit, structured).bans(_ids(tokenizer, text))}
 
 
 def test_the_third_copy_cannot_end_and_nothing_else_is_banned(tokenizer) -> None:  # noqa: ANN001
-    third = _enders(tokenizer, _ids(tokenizer, "Ha! Ha! You missed a coil. Ha"))
     ends = {tokenizer.decode([t]) for t in end_of_turn_ids(tokenizer)}
-    assert {"!", ".", "?", '"'} | ends <= third  # any mark, or the end of the reply
-    assert not any(any(c.isalpha() for c in t) for t in third - ends)
-    assert _enders(tokenizer, _ids(tokenizer, "Ha! You missed a coil. Ha")) == set()  # said once
-    assert _enders(tokenizer, _ids(tokenizer, "Ha! Ha! Ha ha")) == set()  # another sentence
-    assert _enders(tokenizer, _ids(tokenizer, "Ha! Ha! Hal")) == set()
-    assert _enders(tokenizer, _ids(tokenizer, "Ha! Ha! Ha ha"), limit=0) == set()
-    case = _enders(tokenizer, _ids(tokenizer, "HA! ha... \u201cHa"))  # any case or punctuation inside
-    assert "!" in case
-    once = _enders(tokenizer, _ids(tokenizer, "Ha! Ha"), limit=1)
-    assert "!" in once
+    free = _bans(tokenizer, "Ha! Ha! You missed a coil. Ha")
+    assert {"!", ".", "?"} | ends <= free and '"' not in free  # any mark, or the end of the reply
+    assert not any(any(c.isalpha() for c in t) for t in free - ends)
+    reply = _bans(tokenizer, '{"utterance": "Ha! Ha! You missed a coil. Ha', structured=True)
+    assert {"!", ".", "?", '"', '"}'} <= reply and not reply & ends  # or the utterance's close
+    assert _bans(tokenizer, "Ha! You missed a coil. Ha") == set()  # said once
+    assert _bans(tokenizer, "Ha! Ha! Ha ha") == set()  # another sentence
+    assert _bans(tokenizer, "Ha! Ha! Hal") == set()
+    assert _bans(tokenizer, "Ha! Ha! Ha ha", limit=0) == set()
+    assert "!" in _bans(tokenizer, "HA! ha... \u201cHa")  # any case or punctuation inside
+    assert "!" in _bans(tokenizer, "Ha! Ha", limit=1)
+
+
+def _guarded(tokenizer, pieces: list) -> tuple[list[str], str]:  # noqa: ANN001
+    """Feed ``pieces`` (texts, or token ids) to the grammar and the guard one token at a time:
+    the tokens the guard banned at their step, and the reply's utterance."""
+    ids: list[int] = []
+    for piece in [*pieces, end_of_turn_ids(tokenizer)[:1]]:
+        ids += _ids(tokenizer, piece) if isinstance(piece, str) else piece
+    guard = SentenceGuard(tokenizer, end_of_turn_ids(tokenizer)).reply(2, structured=True)
+    grammar = RowGrammar(tokenizer, TURN_SCHEMA, len(tokenizer), 160)
+    banned = []
+    for k, token in enumerate(ids):
+        assert bool(grammar.allowed(k, len(tokenizer))[token]), (k, tokenizer.decode([token]))
+        grammar.consume(token)
+        if token in guard.bans(ids[:k]):
+            banned.append(tokenizer.decode([token]))
+    return banned, validate_reply(tokenizer.decode(ids, skip_special_tokens=True), TURN_SCHEMA)["utterance"]
+
+
+def _byte_tokens(tokenizer, text: str) -> list[int]:  # noqa: ANN001
+    """``text`` as one-byte tokens (byte-level BPE's alphabet: GPT-2's bytes-to-unicode map)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b], extra = chr(256 + extra), extra + 1
+    return [tokenizer.convert_tokens_to_ids(table[b]) for b in text.encode()]
+
+
+@pytest.mark.parametrize(
+    ("third", "utterance"),
+    [
+        (["Halt\\nHalt\\nHalt"], "Halt\nHalt\nHalt"),  # an escaped line break ends a sentence
+        (['Go now! Go \\"now\\"! Go now'], 'Go now! Go "now"! Go now'),  # a quote inside is plain
+        (["Go now! Go {now}! Go now"], "Go now! Go {now}! Go now"),  # so is a brace
+        ("ellipsis", "Ha\u2026 Ha\u2026 Ha"),  # "…" written as three byte tokens
+    ],
+)
+def test_no_way_of_writing_a_third_copy_gets_through(tokenizer, third, utterance: str) -> None:  # noqa: ANN001
+    if third == "ellipsis":
+        dots = _byte_tokens(tokenizer, "\u2026")
+        assert tokenizer.decode(dots) == "\u2026" and all("\ufffd" in tokenizer.decode([t]) for t in dots)
+        third = ["Ha", dots, " Ha", dots, " Ha"]
+    banned, said = _guarded(tokenizer, ['{"utterance": "', *third, '!"}'])
+    assert said == utterance + "!" and repeats_sentence(said)  # the unguarded reply fails the check
+    assert banned  # and the guard banned the token that made it so
+
+
+def test_an_accent_that_completes_a_third_copy_is_banned() -> None:
+    """wordfreq joins "Cafe" and a combining acute into "café": the token "\u0301!" ends one."""
+    tokenizer = train_bpe(ACCENTED, vocab_size=400, model_max_length=512)
+    mark = _ids(tokenizer, "\u0301!")
+    assert len(mark) == 1  # one token: the combining acute and the mark
+    banned, said = _guarded(tokenizer, ['{"utterance": "', "Caf\u00e9! Caf\u00e9! Cafe", mark, '"}'])
+    assert repeats_sentence(said) and banned == [tokenizer.decode(mark)]
+
+
+def test_keys_and_other_fields_are_not_counted_with_the_utterance(tokenizer) -> None:  # noqa: ANN001
+    assert "!" not in _bans(tokenizer, '{"utterance": "Utterance! Utterance', structured=True)
+    assert '"' not in _bans(tokenizer, '{"utterance": "Calm. Calm.", "emotion": "calm', structured=True)
+    assert '"' in _bans(
+        tokenizer, '{"utterance": "Calm. Calm.", "emotion": "Calm! calm. calm', structured=True
+    )
 
 
 def _reply(tokenizer, guard: SentenceGuard | None, seed: int, budget: int = 96) -> str:  # noqa: ANN001
@@ -65,7 +129,7 @@ def _reply(tokenizer, guard: SentenceGuard | None, seed: int, budget: int = 96) 
     close = _ids(tokenizer, 'Ha"}')[-1]
     knobs = SamplingKnobs(1.0, 1.0, 0, 1.0, 0.0, max_new_tokens=budget, no_repeat_ngram_size=6)
     grammar, gen, ids = RowGrammar(tokenizer, TURN_SCHEMA, n_vocab, budget), torch.Generator(), []
-    sentences = guard.reply(2) if guard else None
+    sentences = guard.reply(2, structured=True) if guard else None
     gen.manual_seed(seed)
     while len(ids) < budget:
         scores = torch.randn((1, n_vocab), generator=gen)
