@@ -8,22 +8,27 @@ guard forbids half of English. So the guard reads the reply as the check does an
 that would end a sentence whose words (:func:`quality.words`) the reply has said ``limit`` times
 already: at a mark of :data:`quality.SENTENCE_END`, or where the text ends.
 
+- The reply is read as bytes, as the tokenizer's decode reads them (byte-level BPE: every token's
+  bytes; UTF-8 decoded incrementally), so a character split over tokens is read once it is whole
+  and a token may end one character and hold a mark, or hold a mark and begin a character.
 - A structured reply (a JSON schema's grammar) is read as JSON: each string value is its own text
-  (the check reads the utterance's), decoded (``\\n`` is a line break, ``\\"`` a quote), and it
-  ends at its closing quote; keys and the other fields never count with it.
-- A free reply is one text that ends at the end-of-turn token.
-- A character split over tokens (the byte pieces of "…") is read once whole; a token whose text
-  joins the sentence's last letter (a combining accent) is checked word by word.
+  (the check reads the utterance's), escapes decoded (``\\n`` and ``\\u000a`` are line breaks,
+  ``\\"`` a quote), ending at its closing quote; keys and the other fields never count with it.
+  A free reply is one text that ends at the end-of-turn token.
 - Where the grammar allows only banned tokens (the token budget closing a reply mid-sentence),
   the grammar wins, as it does over the n-gram guard.
 
 Cheap by construction: the reply is read incrementally, and while no sentence has reached the
-limit (nearly every step) a row costs one decode of its reply; past it, only the tokens whose text
-before its first mark spells exactly the letters the sentence still lacks are checked word by
-word, each text once."""
+limit (nearly every step) a row costs the reading of its new token; past it, only the tokens whose
+text before its first mark spells exactly the letters the sentence still lacks are checked word by
+word, each text once and only its last word re-read. In the rare states where a token's meaning
+depends on what came before (an escape or a character begun), the tokens that could continue it
+are read one by one."""
 
 from __future__ import annotations
 
+import codecs
+import copy
 import unicodedata
 from collections import Counter, defaultdict
 from typing import Any
@@ -31,7 +36,10 @@ from typing import Any
 from nimmer_train.voice.quality import SENTENCE_END, words
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", '"': '"', "\\": "\\", "/": "/"}
-PENDING = "\ufffd"  # how a decode shows a character whose bytes have not all arrived
+HEX = "0123456789abcdefABCDEF"
+LONG, NEAR = 256, 64  # a run without white space longer than LONG is re-read from NEAR before its end
+BREAKING = '.!?\u2026\n"\\'  # what may end a sentence in a JSON string (a mark, a quote, an escape)
+Sentence = tuple[str, ...]
 
 
 def _letters(text: str) -> str:
@@ -39,55 +47,134 @@ def _letters(text: str) -> str:
     return "".join(c for w in words(text) for c in w if c.isalpha())
 
 
-def _before_break(text: str, structured: bool) -> str | None:
-    """What ``text`` (one token's, read inside the text of a sentence) adds before it ends the
-    sentence, or None if it does not end one (or it is a byte piece, read in context)."""
-    if PENDING in text:
-        return None
-    out, escape = [], False
-    for c in text:
-        if escape:
-            if c == "n":
-                return "".join(out)
-            out.append(ESCAPES.get(c, c))
-            escape = False
-        elif structured and c == "\\":
-            escape = True
-        elif (structured and c == '"') or SENTENCE_END.match(c):
-            return "".join(out)
+def token_bytes(tokenizer: Any) -> list[bytes]:
+    """Each token's bytes as the tokenizer's decode joins them (skip_special_tokens: a special
+    token adds none). Byte-level BPE maps bytes to characters (GPT-2's table); any other decoder
+    is taken at its tokens' own texts."""
+    special = set(tokenizer.all_special_ids)
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if type(decoder).__name__ != "ByteLevel":
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        return [b"" if i in special else t.encode() for i, t in enumerate(texts)]
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)], extra = b, extra + 1
+    added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+    out = []
+    for i, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if i in special:
+            out.append(b"")
+        elif i in added or token is None or any(c not in table for c in token):
+            out.append((added.get(i) or token or "").encode())
         else:
-            out.append(c)
-    return None
+            out.append(bytes(table[c] for c in token))
+    return out
+
+
+class _Reader:
+    """Reads a reply character by character: the sentence being said (``partial``) and, in a
+    structured reply, where in the JSON it is. ``feed`` returns a sentence it ended."""
+
+    def __init__(self, structured: bool, inside: bool | None = None) -> None:
+        self.structured = structured
+        self.inside = not structured if inside is None else inside  # in a text whose sentences count
+        self.key = self.key_next = self.fresh = False  # in a key; the next string is one; a new text
+        self.escape = ""  # a JSON escape begun and not finished
+        self.stack: list[str] = []  # open JSON objects and arrays
+        self.partial = ""
+        self.begun = 0  # how many sentences were begun (each ended or opened string starts one)
+
+    def feed(self, c: str) -> str | None:
+        if not self.structured:
+            return self._content(c)
+        if self.inside or self.key:
+            return self._string(c)
+        if c == '"':
+            self.inside, self.key = not self.key_next, self.key_next
+            self.fresh, self.partial, self.begun = self.inside, "", self.begun + 1
+        elif c in "{[":
+            self.stack.append(c)
+            self.key_next = c == "{"
+        elif c in "}]":
+            self.stack = self.stack[:-1]
+        elif c == ",":
+            self.key_next = bool(self.stack) and self.stack[-1] == "{"
+        elif c == ":":
+            self.key_next = False
+        return None
+
+    def _string(self, c: str) -> str | None:
+        if self.escape:
+            self.escape += c
+            if self.escape[1] != "u":
+                c, self.escape = ESCAPES.get(c, c), ""
+            elif len(self.escape) < 6:
+                return None
+            else:  # \uXXXX (the grammar allows only valid JSON)
+                code, self.escape = self.escape[2:], ""
+                c = chr(int(code, 16)) if all(h in HEX for h in code) else ""
+        elif c == "\\":
+            self.escape = c
+            return None
+        elif c == '"':
+            ended = self._end() if self.inside else None
+            self.inside = self.key = False
+            return ended
+        return self._content(c) if self.inside else None
+
+    def _content(self, c: str) -> str | None:
+        if SENTENCE_END.match(c):
+            return self._end()
+        self.partial += c
+        return None
+
+    def _end(self) -> str:
+        ended, self.partial, self.begun = self.partial, "", self.begun + 1
+        return ended
 
 
 class _Enders:
-    """A tokenizer's tokens that end a sentence, indexed by the letters each adds before."""
+    """The tokens that end a sentence when read from a clean state (no escape, no character
+    begun), indexed by the letters of the text each adds before it ends one."""
 
     def __init__(self, texts: list[str], structured: bool, ends: list[int]) -> None:
         self.by_letters: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
         self.joining: dict[str, list[int]] = defaultdict(list)  # a combining mark first: in context
         for token, text in enumerate(texts):
-            before = _before_break(text, structured)
-            if before is None:
-                continue
-            if before and unicodedata.combining(before[0]):
-                self.joining[before].append(token)
-            else:
-                self.by_letters[_letters(before)][before].append(token)
+            reader = _Reader(structured, inside=True)
+            for c in text:
+                before = reader.partial
+                if reader.feed(c) is not None:
+                    if before and unicodedata.combining(before[0]):  # joins the letter before it
+                        self.joining[before].append(token)
+                    else:
+                        self.by_letters[_letters(before)][before].append(token)
+                    break
         for token in ends:  # a free reply's end of turn ends its last sentence
             self.by_letters[""][""].append(token)
 
 
 class SentenceGuard:
-    """One tokenizer's tables: the tokens that end a sentence (in a JSON string, in free text),
-    those that finish an escape's ``\\n``, and the byte pieces read in context."""
+    """One tokenizer's tables: each token's bytes, the tokens that end a sentence (in a JSON
+    string, in free text), and those that could finish an escape or a character begun."""
 
     def __init__(self, tokenizer: Any, stop_ids: set[int] | list[int]) -> None:
-        self.tokenizer = tokenizer
-        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-        self.enders = {True: _Enders(texts, True, []), False: _Enders(texts, False, sorted(stop_ids))}
-        self.after_backslash = [t for t, text in enumerate(texts) if text.startswith("n")]
-        self.pieces = [t for t, text in enumerate(texts) if PENDING in text]
+        self.raw = token_bytes(tokenizer)
+        self.stops = sorted(stop_ids)
+        texts = [codecs.getincrementaldecoder("utf-8")("replace").decode(b) for b in self.raw]
+        self.enders = {True: _Enders(texts, True, []), False: _Enders(texts, False, self.stops)}
+        # after a lone backslash: "n", "u" (\u000a), or an escape with a mark or a quote after it
+        self.after_escape = [
+            t
+            for t, text in enumerate(texts)
+            if text[:1] in ("n", "u")
+            or (text[:1] in ESCAPES and any(c in text[1:] for c in '.!?\u2026\n"\\'))
+        ]
+        self.after_u = [t for t, text in enumerate(texts) if text[:1] and text[0] in HEX]
+        self.continuing = [t for t, b in enumerate(self.raw) if b and 0x80 <= b[0] <= 0xBF]
+        self.continues = frozenset(self.continuing)
 
     def reply(self, limit: int, structured: bool) -> ReplySentences:
         """A tracker for one reply (``structured``: a JSON reply) that may say a sentence at most
@@ -103,112 +190,96 @@ class ReplySentences:
         self._reset()
 
     def _reset(self) -> None:
-        self.read = ""  # the reply's text read so far
-        self.said: Counter[tuple[str, ...]] = Counter()  # complete sentences of the current text
-        self.partial = ""  # the current sentence so far
-        self.inside = not self.structured  # reading a text whose sentences count (a JSON string value)
-        self.escape = ""  # a JSON escape begun and not finished
-        self.stack: list[str] = []  # open JSON objects and arrays
-        self.key_next, self.key = False, False  # the next string is a key; the open one is
+        self.ids: list[int] = []  # the tokens read
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.reader = _Reader(self.structured)
+        self.said: Counter[Sentence] = Counter()  # the current text's complete sentences
+        # the current sentence's words, cached: partial[:cut] ends in white space; a long tail's split
+        self.begun, self.cut, self.head, self.split = -1, 0, (), (-1, 0, ())
 
     def bans(self, ids: list[int]) -> set[int]:
         """The tokens that would end, as the next token after ``ids`` (the reply's own tokens), a
         sentence already said ``limit`` times."""
-        text = self.guard.tokenizer.decode(ids, skip_special_tokens=True)
-        ready = text.rstrip(PENDING)
-        if not ready.startswith(self.read):  # the decode changed what was read: read it again
+        if ids[: len(self.ids)] != self.ids:  # another reply's tokens: read from the start
             self._reset()
-        for c in ready[len(self.read) :]:
-            self._char(c)
-        self.read = ready
+        for token in ids[len(self.ids) :]:
+            self._read(token)
         full = {s for s, n in self.said.items() if n >= self.limit}
-        if not full or not self.inside or self.key:
+        reader = self.reader
+        if not full or not reader.inside:
             return set()
-        if len(text) > len(ready):  # a character's bytes half arrived: "…" would end the sentence
-            return self._pieces(ids, len(text) - len(ready), full)
-        if self.escape == "\\":  # "\" then "n": a line break
-            said = tuple(words(self.partial)) in full
-            return set(self.guard.after_backslash) if said else set()
-        if self.escape:
-            return set()
-        return self._enders(full)
+        if self.decoder.getstate()[0]:  # a character begun: its next bytes, or a U+FFFD and a token
+            flushed = self._enders(full, "\ufffd") - self.guard.continues
+            return self._trying(self.guard.continuing, full) | flushed
+        if reader.escape:
+            return self._trying(
+                self.guard.after_escape if reader.escape == "\\" else self.guard.after_u, full
+            )
+        return self._enders(full, "")
 
-    def _enders(self, full: set[tuple[str, ...]]) -> set[int]:
+    def _read(self, token: int) -> None:
+        self.ids.append(token)
+        for c in self.decoder.decode(self.guard.raw[token]):
+            ended = self.reader.feed(c)
+            if self.reader.fresh:  # a new string value: its own sentences
+                self.said, self.reader.fresh = Counter(), False
+            if ended is not None and (ws := words(ended)):
+                self.said[tuple(ws)] += 1
+        if not self.structured and token in self.guard.stops and (ws := words(self.reader.partial)):
+            self.said[tuple(ws)] += 1
+
+    def _words(self, extra: str) -> Sentence:
+        """The words of the sentence so far with ``extra`` after it, re-reading only its last
+        word (a word never spans white space) and, past :data:`LONG` characters without white
+        space, its last :data:`NEAR` (where splitting there reads the same words)."""
+        partial, begun = self.reader.partial, self.reader.begun
+        if self.begun != begun:  # another sentence: nothing cached holds
+            self.begun, self.cut, self.head, self.split = begun, 0, (), (-1, 0, ())
+        space = max(partial.rfind(" "), partial.rfind("\t"), partial.rfind("\r"))
+        if space + 1 > self.cut:
+            self.head += tuple(words(partial[self.cut : space + 1]))
+            self.cut = space + 1
+        tail = partial[self.cut :]
+        if len(tail) > LONG:
+            if self.split[0] != len(partial):
+                at = len(tail) - NEAR
+                front = tuple(words(tail[:at]))
+                same = tuple(words(tail)) == front + tuple(words(tail[at:]))
+                self.split = (len(partial), at if same else 0, front)
+            _, at, front = self.split
+            if at:
+                return self.head + front + tuple(words(tail[at:] + extra))
+        return self.head + tuple(words(tail + extra))
+
+    def _enders(self, full: set[Sentence], flushed: str) -> set[int]:
+        """From a clean state: the tokens whose text before its first mark completes a full one
+        (``flushed``: what a pending character turns into first)."""
+        said = self._words(flushed)
+        have = "".join(c for w in said for c in w if c.isalpha())
         enders = self.guard.enders[self.structured]
-        have = _letters(self.partial)
         befores: dict[str, list[int]] = dict(enders.joining)
         for sentence in full:
             need = "".join(c for w in sentence for c in w if c.isalpha())
             if need.startswith(have):
                 befores.update(enders.by_letters.get(need[len(have) :], {}))
         banned: set[int] = set()
-        said = tuple(words(self.partial))
         for before, tokens in befores.items():  # white space joins no word: the sentence as it is
-            if (said if not before.strip() else tuple(words(self.partial + before))) in full:
+            if (said if not before.strip() else self._words(flushed + before)) in full:
                 banned.update(tokens)
         return banned
 
-    def _pieces(self, ids: list[int], pending: int, full: set[tuple[str, ...]]) -> set[int]:
-        """The byte pieces that would finish the half-arrived character as a mark."""
-        if tuple(words(self.partial)) not in full:
-            return set()
-        decode, tail = self.guard.tokenizer.decode, ids[-4:]
-        start = len(decode(tail, skip_special_tokens=True)) - pending
-        return {
-            t
-            for t in self.guard.pieces
-            if SENTENCE_END.match(decode([*tail, t], skip_special_tokens=True)[start : start + 1])
-        }
-
-    def _char(self, c: str) -> None:
-        """Read one character of the reply."""
-        if not self.structured:
-            self._content(c)
-        elif self.inside or self.key:
-            self._string(c)
-        elif c == '"':
-            self.inside, self.key = not self.key_next, self.key_next
-            if self.inside:  # a new text: its own sentences
-                self.said, self.partial = Counter(), ""
-        elif c in "{[":
-            self.stack.append(c)
-            self.key_next = c == "{"
-        elif c in "}]":
-            self.stack = self.stack[:-1]
-        elif c == ",":
-            self.key_next = bool(self.stack) and self.stack[-1] == "{"
-        elif c == ":":
-            self.key_next = False
-
-    def _string(self, c: str) -> None:
-        """One character inside a JSON string (a key's are read and dropped)."""
-        if self.escape:
-            self.escape += c
-            if self.escape[1] != "u":
-                c, self.escape = ESCAPES.get(self.escape[1], self.escape[1]), ""
-            elif len(self.escape) == 6:  # \uXXXX (the grammar allows only valid JSON)
-                code, self.escape = self.escape[2:], ""
-                c = chr(int(code, 16)) if all(h in "0123456789abcdefABCDEF" for h in code) else ""
-            else:
-                return
-        elif c == "\\":
-            self.escape = c
-            return
-        elif c == '"':
-            if self.inside:
-                self._end()
-            self.inside = self.key = False
-            return
-        if self.inside:
-            self._content(c)
-
-    def _content(self, c: str) -> None:
-        if SENTENCE_END.match(c):
-            self._end()
-        else:
-            self.partial += c
-
-    def _end(self) -> None:
-        if ws := words(self.partial):
-            self.said[tuple(ws)] += 1
-        self.partial = ""
+    def _trying(self, tokens: list[int], full: set[Sentence]) -> set[int]:
+        """Each of ``tokens`` read on a copy of this state: those that end a full sentence."""
+        banned, state = set(), self.decoder.getstate()
+        for token in tokens:
+            decoder, reader = codecs.getincrementaldecoder("utf-8")("replace"), copy.copy(self.reader)
+            decoder.setstate(state)
+            reader.stack = list(reader.stack)
+            start = len(reader.partial)
+            for c in decoder.decode(self.guard.raw[token]):
+                ended = reader.feed(c)
+                if ended is not None:
+                    if self._words(ended[start:]) in full and ended[:start] == self.reader.partial:
+                        banned.add(token)
+                    break
+        return banned

@@ -23,12 +23,28 @@ from nimmer_train.voice.structured import RowGrammar, end_of_turn_ids
 
 LINE = '{"utterance": "Ha! Ha! You missed a coil, I forgot one. Ha ha. Halt... Hah?\\nHalt"}'
 TEXTS = [LINE * 10] * 8
+QUOTED = ['He said "go". She said "no"! They asked "why"? ' * 20] * 8  # '".' '"!' '"?' as tokens
+# ". then a curly quote or dash": ".\xe2\x80" merges before any whole character does
+MARK_THEN_LEAD = ['{"utterance": "Ha.\u201c Ha.\u201d Ha.\u2018 Ha.\u2019 Ha.\u2014 Ha! Ha"}' * 20] * 8
+# four characters ending in byte 0x9d, each before ".": "\x9d." merges before any of them
+TAIL_THEN_MARK = ['{"utterance": "Ha\u201d. Ha\u221d. Ha\u2e1d. Ha\u205d. Ha! Ha"}' * 20] * 8
 ACCENTED = ['{"utterance": "Ha! Ha! You missed a coil. Cafe\u0301! Cafe\u0301? Halt... Hah?"}' * 10] * 8
+
+
+def _bpe(texts: list[str]):  # noqa: ANN202
+    return train_bpe(texts, vocab_size=400, model_max_length=512)
 
 
 @pytest.fixture(scope="module")
 def tokenizer():  # noqa: ANN201
-    return train_bpe(TEXTS, vocab_size=400, model_max_length=512)
+    return _bpe(TEXTS)
+
+
+def _one(tokenizer, text: str) -> int:  # noqa: ANN001
+    """The single token whose text is ``text``."""
+    ids = [t for t in range(len(tokenizer)) if tokenizer.decode([t]) == text]
+    assert ids, f"no token {text!r}"
+    return ids[0]
 
 
 def _ids(tokenizer, text: str) -> list[int]:  # noqa: ANN001
@@ -104,11 +120,65 @@ def test_no_way_of_writing_a_third_copy_gets_through(tokenizer, third, utterance
 
 def test_an_accent_that_completes_a_third_copy_is_banned() -> None:
     """wordfreq joins "Cafe" and a combining acute into "café": the token "\u0301!" ends one."""
-    tokenizer = train_bpe(ACCENTED, vocab_size=400, model_max_length=512)
+    tokenizer = _bpe(ACCENTED)
     mark = _ids(tokenizer, "\u0301!")
     assert len(mark) == 1  # one token: the combining acute and the mark
     banned, said = _guarded(tokenizer, ['{"utterance": "', "Caf\u00e9! Caf\u00e9! Cafe", mark, '"}'])
     assert repeats_sentence(said) and banned == [tokenizer.decode(mark)]
+
+
+# the second review (of af678d3): escapes, a lone backslash, U+FFFD, marks beside byte pieces
+
+
+def test_an_escaped_unicode_line_break_cannot_end_a_third_copy(tokenizer) -> None:  # noqa: ANN001
+    """The grammar allows \\u00XX escapes; "\\u000a" is a line break. At "\\u000" the guard bans
+    nothing (any escape but "\\" is skipped), so "a" (or "A", "and", ...) ends "Ha" a third time."""
+    banned, said = _guarded(tokenizer, ['{"utterance": "Ha! Ha! Ha\\u000a"}'])
+    assert said == "Ha! Ha! Ha\n" and repeats_sentence(said)
+    assert banned
+
+
+def test_an_escaped_quote_after_a_lone_backslash_cannot_end_a_third_copy() -> None:
+    """After a token ending in a backslash the guard bans only tokens starting with "n"; the
+    token '".' (an escaped quote, then a mark) ends 'Go now"' = "go now" a third time."""
+    tokenizer = _bpe(QUOTED + TEXTS)
+    backslash, quote_dot = _one(tokenizer, "\\"), _one(tokenizer, '".')
+    head = _ids(tokenizer, '{"utterance": "Go now! Go now! Go now')
+    banned, said = _guarded(tokenizer, [head, [backslash, quote_dot], '"}'])
+    assert said == 'Go now! Go now! Go now".' and repeats_sentence(said)
+    assert banned
+
+
+def test_a_literal_replacement_character_does_not_hide_the_third_copy(tokenizer) -> None:  # noqa: ANN001
+    """U+FFFD is a valid character the grammar allows; the guard takes a reply ending in it for a
+    character whose bytes are still arriving and checks only byte pieces, so "!" goes through."""
+    banned, said = _guarded(tokenizer, ['{"utterance": "Ha! Ha! Ha\ufffd!"}'])
+    assert said == "Ha! Ha! Ha\ufffd!" and repeats_sentence(said)
+    assert banned
+
+
+def test_a_token_holding_a_mark_then_the_start_of_a_character_is_banned() -> None:
+    """'.\\xe2\\x80' decodes alone as ".\\ufffd": the guard's table skips every token holding a
+    pending byte, so it never bans the "." that ends "Ha" a third time (then "\\x9d": '”')."""
+    tokenizer = _bpe(MARK_THEN_LEAD)
+    dot_lead = tokenizer.convert_tokens_to_ids(".\u00e2\u0122")  # ".", 0xe2, 0x80
+    assert dot_lead is not None and tokenizer.decode([dot_lead]) == ".\ufffd"
+    tail = tokenizer.convert_tokens_to_ids("\u013f")  # 0x9d
+    banned, said = _guarded(tokenizer, ['{"utterance": "Ha! Ha! Ha', [dot_lead, tail], '"}'])
+    assert said == "Ha! Ha! Ha.\u201d" and repeats_sentence(said)
+    assert banned
+
+
+def test_a_token_finishing_a_character_then_a_mark_is_banned() -> None:
+    """'\\x9d.' finishes '”' and then ends the sentence 'Ha”' (= "ha") with ".": the guard checks
+    only whether the finished character is itself a mark."""
+    tokenizer = _bpe(TAIL_THEN_MARK)
+    tail_dot = tokenizer.convert_tokens_to_ids("\u013f.")  # 0x9d, "."
+    assert tail_dot is not None and tokenizer.decode([tail_dot]) == "\ufffd."
+    lead = tokenizer.convert_tokens_to_ids(["\u00e2", "\u0122"])  # 0xe2, 0x80
+    banned, said = _guarded(tokenizer, ['{"utterance": "Ha! Ha! Ha', lead, [tail_dot], '"}'])
+    assert said == "Ha! Ha! Ha\u201d." and repeats_sentence(said)
+    assert banned
 
 
 def test_keys_and_other_fields_are_not_counted_with_the_utterance(tokenizer) -> None:  # noqa: ANN001
@@ -177,3 +247,11 @@ def test_the_limit_is_checked_in_the_config_sent_to_ring_b_and_dropped_by_ring_c
         assert "max_sentence_repeats_unsupported_dropped" in adapt(knobs, "anthropic")[1]
         assert baseline(catalogue, name).max_sentence_repeats == 0  # the teacher is never guarded
     assert "max_sentence_repeats" not in baseline(catalogue, "drunk-scavenger").as_dict()
+
+
+def test_a_third_copy_that_runs_on_without_white_space_is_still_banned(tokenizer) -> None:  # noqa: ANN001
+    """Past 256 characters without white space only the run's end is re-read each step (the
+    second review's 12,000-character run cost 22 ms a step); the bans stay those of a full read."""
+    long = _bans(tokenizer, '{"utterance": "Ha! Ha! Ha' + "#" * 600, structured=True)
+    assert {"!", '"'} <= long
+    assert _bans(tokenizer, '{"utterance": "Ha! Ha! Hal' + "#" * 600, structured=True) == set()
