@@ -29,9 +29,13 @@ from __future__ import annotations
 
 import codecs
 import copy
+import functools
+import re
 import unicodedata
 from collections import Counter, defaultdict
 from typing import Any
+
+import regex
 
 from nimmer_train.voice.quality import SENTENCE_END, words
 
@@ -40,6 +44,9 @@ HEX = "0123456789abcdefABCDEF"
 LONG, NEAR = 256, 64  # a run without white space longer than LONG is re-read from NEAR before its end
 BREAKING = '.!?\u2026\n"\\'  # what may end a sentence in a JSON string (a mark, a quote, an escape)
 Sentence = tuple[str, ...]
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+PREPEND = regex.compile(r"\p{Grapheme_Cluster_Break=Prepend}")
+WHITE = " \t\r"  # what ends a word (and a prepend's cluster takes in)
 
 
 def _letters(text: str) -> str:
@@ -49,28 +56,55 @@ def _letters(text: str) -> str:
 
 def token_bytes(tokenizer: Any) -> list[bytes]:
     """Each token's bytes as the tokenizer's decode joins them (skip_special_tokens: a special
-    token adds none). Byte-level BPE maps bytes to characters (GPT-2's table); any other decoder
-    is taken at its tokens' own texts."""
-    special = set(tokenizer.all_special_ids)
+    token adds none). Byte-level BPE maps bytes to characters (GPT-2's table); SentencePiece
+    writes a byte it lacks as ``<0xNN>`` and a space as U+2581; any other token is its own text."""
+    added = tokenizer.added_tokens_decoder
+    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    if type(decoder).__name__ != "ByteLevel":
-        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-        return [b"" if i in special else t.encode() for i, t in enumerate(texts)]
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table, extra = {chr(b): b for b in printable}, 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + extra)], extra = b, extra + 1
-    added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+    table: dict[str, int] = {}
+    if type(decoder).__name__ == "ByteLevel":
+        printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+        table, extra = {chr(b): b for b in printable}, 0
+        for b in range(256):
+            if b not in printable:
+                table[chr(256 + extra)], extra = b, extra + 1
     out = []
     for i, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
-        if i in special:
+        if i in special or token is None:
             out.append(b"")
-        elif i in added or token is None or any(c not in table for c in token):
-            out.append((added.get(i) or token or "").encode())
-        else:
+        elif i in added:
+            out.append(added[i].content.encode())
+        elif table and all(c in table for c in token):
             out.append(bytes(table[c] for c in token))
+        elif piece := BYTE_PIECE.fullmatch(token):
+            out.append(bytes([int(piece.group(1), 16)]))
+        elif "\u2581" in token:
+            out.append(token.replace("\u2581", " ").encode())
+        else:
+            out.append(tokenizer.decode([i]).encode())
     return out
+
+
+@functools.cache
+def composing() -> frozenset[str]:
+    """The characters NFC may join to the one before them (wordfreq normalises): the second of
+    every two-character canonical decomposition (the Tamil AU length mark, with combining class
+    0, among them), combining marks, and Hangul's vowel and final jamo."""
+    out = {chr(c) for c in range(0x1161, 0x1176)} | {chr(c) for c in range(0x11A8, 0x11C3)}
+    for code in range(0x30000):  # no character above decomposes (the last is U+2FA1D)
+        c = chr(code)
+        if unicodedata.combining(c):
+            out.add(c)
+        parts = unicodedata.decomposition(c).split()
+        if len(parts) == 2 and not parts[0].startswith("<"):
+            out.add(chr(int(parts[1], 16)))
+    return frozenset(out)
+
+
+def _takes_space(text: str) -> bool:
+    """``text`` (up to white space) ends in a letter that takes the white space after it into
+    its word (a grapheme cluster's prepend: U+0D4E, U+0600, ...)."""
+    return bool(PREPEND.match(text.rstrip(WHITE)[-1:] or "."))
 
 
 class _Reader:
@@ -147,7 +181,7 @@ class _Enders:
             for c in text:
                 before = reader.partial
                 if reader.feed(c) is not None:
-                    if before and unicodedata.combining(before[0]):  # joins the letter before it
+                    if before and before[0] in composing():  # may join the letter before it
                         self.joining[before].append(token)
                     else:
                         self.by_letters[_letters(before)][before].append(token)
@@ -235,8 +269,8 @@ class ReplySentences:
         partial, begun = self.reader.partial, self.reader.begun
         if self.begun != begun:  # another sentence: nothing cached holds
             self.begun, self.cut, self.head, self.split = begun, 0, (), (-1, 0, ())
-        space = max(partial.rfind(" "), partial.rfind("\t"), partial.rfind("\r"))
-        if space + 1 > self.cut:
+        space = max(partial.rfind(c) for c in WHITE)
+        if space + 1 > self.cut and not _takes_space(partial[: space + 1]):
             self.head += tuple(words(partial[self.cut : space + 1]))
             self.cut = space + 1
         tail = partial[self.cut :]
@@ -263,8 +297,9 @@ class ReplySentences:
             if need.startswith(have):
                 befores.update(enders.by_letters.get(need[len(have) :], {}))
         banned: set[int] = set()
+        joins = _takes_space(self.reader.partial + flushed)
         for before, tokens in befores.items():  # white space joins no word: the sentence as it is
-            if (said if not before.strip() else self._words(flushed + before)) in full:
+            if (said if not (before.strip() or joins) else self._words(flushed + before)) in full:
                 banned.update(tokens)
         return banned
 

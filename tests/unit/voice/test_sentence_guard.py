@@ -6,8 +6,8 @@ fields apart, a character split over byte tokens read whole, a combining accent 
 letter); decoded replies that favour repeating themselves never fail the check under it, and do
 without it. Byte-level BPEs trained here; a decoder that prefers repeating itself.
 
-The review of the first guard (which read the raw JSON text) found each case below it let through
-or banned wrongly; each is a test here."""
+Three adversarial reviews found each case below let through (or banned wrongly) by an earlier
+guard; each is a test here, in the order they were found."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ QUOTED = ['He said "go". She said "no"! They asked "why"? ' * 20] * 8  # '".' '"
 MARK_THEN_LEAD = ['{"utterance": "Ha.\u201c Ha.\u201d Ha.\u2018 Ha.\u2019 Ha.\u2014 Ha! Ha"}' * 20] * 8
 # four characters ending in byte 0x9d, each before ".": "\x9d." merges before any of them
 TAIL_THEN_MARK = ['{"utterance": "Ha\u201d. Ha\u221d. Ha\u2e1d. Ha\u205d. Ha! Ha"}' * 20] * 8
+AU = "\u0b92\u0bd7"  # Tamil letter O, then the AU length mark (a spacing mark, combining class 0)
+TAMIL = ['{"utterance": "' + (AU + "! ") * 20 + AU + '."}'] * 8
 ACCENTED = ['{"utterance": "Ha! Ha! You missed a coil. Cafe\u0301! Cafe\u0301? Halt... Hah?"}' * 10] * 8
 
 
@@ -179,6 +181,87 @@ def test_a_token_finishing_a_character_then_a_mark_is_banned() -> None:
     banned, said = _guarded(tokenizer, ['{"utterance": "Ha! Ha! Ha', lead, [tail_dot], '"}'])
     assert said == "Ha! Ha! Ha\u201d." and repeats_sentence(said)
     assert banned
+
+
+# the third review (of 110a649): special tokens, byte fallback, spacing marks, prepends
+
+
+def _stepped_bans(tokenizer, ids: list[int], structured: bool = False) -> set[int]:  # noqa: ANN001
+    """The bans after ``ids``, asked at every step as a decoder asks them."""
+    sentences = SentenceGuard(tokenizer, end_of_turn_ids(tokenizer)).reply(2, structured)
+    for k in range(len(ids)):
+        sentences.bans(ids[:k])
+    return sentences.bans(ids)
+
+
+def test_a_special_token_the_decode_skips_does_not_hide_a_third_copy(tokenizer) -> None:  # noqa: ANN001
+    """An added token marked special but not in ``all_special_ids`` (SmolLM2 has 14: <repo_name>,
+    <filename>, ...) is dropped by ``decode(skip_special_tokens=True)``; token_bytes reads its
+    content, so "Ha<tool>" is not "Ha" to the guard and "!" ends a third "Ha"."""
+    from tokenizers import AddedToken
+
+    tokenizer = _bpe(TEXTS)  # its own copy: a token is added to it
+    tokenizer.add_tokens([AddedToken("<tool>", special=True)])
+    tool = tokenizer.convert_tokens_to_ids("<tool>")
+    assert tool not in tokenizer.all_special_ids
+    ids, bang = [*_ids(tokenizer, "Ha! Ha! Ha"), tool], _ids(tokenizer, "!")[0]
+    said = tokenizer.decode([*ids, bang], skip_special_tokens=True)
+    assert said == "Ha! Ha! Ha!" and repeats_sentence(said)
+    assert bang in _stepped_bans(tokenizer, ids)
+
+
+def test_a_character_written_in_byte_fallback_tokens_does_not_hide_a_third_copy() -> None:
+    """A SentencePiece-style tokenizer (Gemma's: byte fallback, no ByteLevel decoder) writes a
+    character it lacks as <0xNN> pieces; token_bytes takes each piece's text alone (U+FFFD), so
+    the third "Ɐ" (an alphabetic letter) read as three U+FFFD is no sentence to the guard."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    letter = "\u2c6f"
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    for piece in ["\u2581", "!", letter, "\u2581" + letter]:
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
+    bang = vocab["!"]
+    ids = [vocab[letter], bang, vocab["\u2581" + letter], bang, vocab["\u2581"]]
+    ids += [2 + b for b in letter.encode()]  # the third letter as its three bytes
+    said = tokenizer.decode([*ids, bang], skip_special_tokens=True)
+    assert said == f"{letter}! {letter}! {letter}!" and repeats_sentence(said)
+    assert bang in _stepped_bans(tokenizer, ids)
+
+
+def test_a_spacing_mark_that_composes_with_the_letter_before_it_cannot_end_a_third_copy() -> None:
+    """wordfreq's NFC joins Tamil O and the AU length mark (U+0BD7, combining class 0) into the
+    letter AU: the token "\u0bd7!" after "O" ends "AU" a third time. The fast path keys tokens by
+    their letters and checks in context only those whose first character is combining (class > 0)."""
+    tokenizer = _bpe(TAMIL + TEXTS)
+    mark = _ids(tokenizer, "\u0bd7!")
+    assert len(mark) == 1 and tokenizer.decode(mark) == "\u0bd7!"
+    for structured, head in ((False, ""), (True, '{"utterance": "')):
+        ids = _ids(tokenizer, head + "\u0b94! \u0b94! \u0b92")
+        said = tokenizer.decode(ids + mark)[len(head) :]
+        assert said == "\u0b94! \u0b94! " + AU + "!" and repeats_sentence(said)
+        assert mark[0] in _stepped_bans(tokenizer, ids, structured), structured
+
+
+def test_a_word_that_takes_in_the_space_after_it_is_read_whole_at_every_step(tokenizer) -> None:  # noqa: ANN001
+    """A prepended letter (Malayalam dot reph, U+0D4E; also U+0600) takes the space after it into
+    its grapheme and wordfreq's token: "\u0d4e  ha" is ("\u0d4e  ", "ha"). Asked at "\u0d4e ", the
+    guard caches ("\u0d4e ",) before the space and never re-reads it, so at "\u0d4e  ha" it sees
+    ("\u0d4e ", "ha") and lets "!" end a third copy; a guard asked only at the end bans it."""
+    reph = "\u0d4e"
+    ids = [*_ids(tokenizer, f"{reph}  ha! {reph}  ha! {reph}"), *_ids(tokenizer, " "), *_ids(tokenizer, " ")]
+    ids += _ids(tokenizer, "ha")
+    bang = _ids(tokenizer, "!")[0]
+    said = tokenizer.decode([*ids, bang])
+    assert said == f"{reph}  ha! {reph}  ha! {reph}  ha!" and repeats_sentence(said)
+    assert bang in SentenceGuard(tokenizer, end_of_turn_ids(tokenizer)).reply(2, False).bans(ids)
+    assert bang in _stepped_bans(tokenizer, ids)
 
 
 def test_keys_and_other_fields_are_not_counted_with_the_utterance(tokenizer) -> None:  # noqa: ANN001
