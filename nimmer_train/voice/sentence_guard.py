@@ -17,6 +17,9 @@ already: at a mark of :data:`quality.SENTENCE_END`, or where the text ends.
   A free reply is one text that ends at the end-of-turn token.
 - Where the grammar allows only banned tokens (the token budget closing a reply mid-sentence),
   the grammar wins, as it does over the n-gram guard.
+- Not covered: a token that ends two sentences (only its first end is read; a byte-level
+  vocabulary has none, its pre-tokenizer splits letters from marks), and a free reply a client's
+  ``stop`` string cuts (the guard knows the end-of-turn token only).
 
 Cheap by construction: the reply is read incrementally, and while no sentence has reached the
 limit (nearly every step) a row costs the reading of its new token; past it, only the tokens whose
