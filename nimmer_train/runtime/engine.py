@@ -45,7 +45,7 @@ from nimmer_train.runtime.decode_attention import takes_ragged
 from nimmer_train.runtime.serve_metrics import ServeMetrics
 from nimmer_train.runtime.stacked_lora import StackedLora, lora_linears
 from nimmer_train.voice.sampling import SamplingKnobs, sample_rows, warp_rows
-from nimmer_train.voice.sentence_guard import ReplySentences, SentenceGuard
+from nimmer_train.voice.sentence_guard import ReplySentences, tracker
 
 MAX_TOP_LOGPROBS = 20
 
@@ -189,7 +189,6 @@ class Engine:
         self.stream_interval = stream_interval
         self.metrics = metrics or ServeMetrics()
         self.prefixes = PrefixCache(prefix_cache_entries)
-        self.sentence_guard: SentenceGuard | None = None
         self.waiting: collections.deque[Job] = collections.deque()
         self.controls: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
         self.rows: list[_Row] = []
@@ -573,13 +572,9 @@ class Engine:
     def _sentence_bans(self, row: _Row) -> set[int]:
         """The tokens that would end a sentence ``row`` said its ``max_sentence_repeats`` times."""
         limit = row.job.knobs.max_sentence_repeats
-        if not limit:
-            return set()
-        if row.sentences is None:
-            if self.sentence_guard is None:  # built on the first guarded row (0.3 s for SmolLM2)
-                self.sentence_guard = SentenceGuard(self.tokenizer, self.stop_ids)
-            row.sentences = self.sentence_guard.reply(limit, structured=row.grammar is not None)
-        return row.sentences.bans(row.ids)
+        if row.sentences is None and limit:
+            row.sentences = tracker(self.tokenizer, self.stop_ids, limit, row.grammar is not None)
+        return row.sentences.bans(row.ids) if row.sentences is not None else set()
 
     def _logprob(self, raw: torch.Tensor, token: int, top: int) -> dict[str, Any]:
         """OpenAI's logprob entry: the model's own log-probabilities (before knobs and grammar)."""

@@ -36,7 +36,7 @@ from nimmer_train.runtime.llama_engine import LlamaContext
 from nimmer_train.runtime.local_model import Generation, VersionSpeaker
 from nimmer_train.runtime.serve_metrics import ServeMetrics
 from nimmer_train.voice.sampling import SamplingKnobs, sample_rows, warp_rows
-from nimmer_train.voice.sentence_guard import ReplySentences, SentenceGuard
+from nimmer_train.voice.sentence_guard import tracker
 
 QUANTS = ("q4_1", "q8_0")
 WEIGHTS = "model.safetensors"
@@ -96,7 +96,6 @@ class QuantizedModel(VersionSpeaker):
         self.n_vocab = self.context.n_vocab
         self.context_tokens = n_ctx
         self.lock = threading.Lock()
-        self.sentence_guard: SentenceGuard | None = None
         self.engine = SerialEngine(self)  # what nimmer serve --engine llama submits to
 
     @classmethod
@@ -144,7 +143,7 @@ class QuantizedModel(VersionSpeaker):
         after each token may end the reply (a stop string, a client gone) by returning True."""
         logits = self.context.prefill(prompt, adapter)
         ids: list[int] = []
-        sentences = self.sentences(knobs.max_sentence_repeats, structured=grammar is not None)
+        sentences = tracker(self.tokenizer, self.stop_ids, knobs.max_sentence_repeats, grammar is not None)
         while True:
             raw = torch.from_numpy(logits)
             scores = raw[None]
@@ -162,14 +161,6 @@ class QuantizedModel(VersionSpeaker):
             if len(ids) >= knobs.max_new_tokens:
                 return ids, "length"
             logits = self.context.step(token)
-
-    def sentences(self, limit: int, structured: bool) -> ReplySentences | None:
-        """The sentence guard's count for one reply (None: ``limit`` 0, off)."""
-        if not limit:
-            return None
-        if self.sentence_guard is None:  # built on the first guarded turn (0.3 s for SmolLM2)
-            self.sentence_guard = SentenceGuard(self.tokenizer, self.stop_ids)
-        return self.sentence_guard.reply(limit, structured)
 
     def load_register(self, register: str) -> None:
         raise NimmerError("engine llama loads the version's LoRAs at start; restart nimmer serve to add one")
