@@ -208,8 +208,7 @@ class SentenceGuard:
         self.after_escape = [
             t
             for t, text in enumerate(texts)
-            if text[:1] in ("n", "u")
-            or (text[:1] in ESCAPES and any(c in text[1:] for c in '.!?\u2026\n"\\'))
+            if text[:1] in ("n", "u") or (text[:1] in ESCAPES and any(c in text[1:] for c in BREAKING))
         ]
         self.after_u = [t for t, text in enumerate(texts) if text[:1] and text[0] in HEX]
         self.continuing = [t for t, b in enumerate(self.raw) if b and 0x80 <= b[0] <= 0xBF]
