@@ -31,6 +31,7 @@ from nimmer_train.agent.search import (
 from nimmer_train.artifacts import NOFOLLOW
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.player_memory import Mode, as_mode
+from nimmer_train.memory.repeats import repeats_last
 
 Hit = tuple[float, float, str, int]  # (score, similarity, store, entry id)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
@@ -48,8 +49,10 @@ def memory_search(
     use_text: bool = True,
     record_access: bool = True,
 ) -> list[dict[str, object]]:
-    """Hybrid search (see search.py) over the stores ``mode`` allows; logs the search and
-    counts an access on every hit (a generated crystal becomes activated)."""
+    """Hybrid search (see search.py) over the stores ``mode`` allows, a restatement of a better
+    hit after the hits that say something new (memory/repeats.py: so a hit's score may exceed
+    the one above it); logs the search and counts an access on every hit (a generated crystal
+    becomes activated)."""
     if not query.strip():
         raise NimmerError("query: empty; say what to search for")
     if max_results < 1:
@@ -75,7 +78,8 @@ def memory_search(
                 use_text,
             )
         hits.sort(key=lambda h: (-h[0], h[2], h[3]))
-        hits = hits[:max_results]
+        vectors = [agent.index(h[2]).vector(h[3]) for h in hits]
+        hits = [hits[i] for i in repeats_last(vectors, max_results, w.repeat)]
         found: list[tuple[Hit, Crystal]] = []
         log_store = "clasp" if mode is Mode.IN_BETWEEN else "primary"  # a clasp query stays in clasp
         for store in agent.stores(mode):
@@ -86,7 +90,8 @@ def memory_search(
             )
             agent.after_commit(store)
             found += [(h, crystals[h[3]]) for h in mine]
-    found.sort(key=lambda pair: (-pair[0][0], pair[0][2], pair[0][3]))
+    rank = {hit: n for n, hit in enumerate(hits)}
+    found.sort(key=lambda pair: rank[pair[0]])
     out = []
     for (score, sim, _store, _id), crystal in found:
         item = crystal.public()

@@ -44,6 +44,7 @@ from nimmer_train.memory.entries import (
     clean_text,
     validate,
 )
+from nimmer_train.memory.repeats import REPEAT_COSINE, repeats_last
 from nimmer_train.memory.schema import PRIMARY_MIGRATIONS
 from nimmer_train.memory.vector_index import VectorIndex
 
@@ -75,6 +76,7 @@ class Weights:
     recency: float = 1.0
     recency_decay_per_hour: float = 0.995
     candidate_factor: int = 5
+    repeat: float = REPEAT_COSINE  # a hit this near a better one comes after the rest (repeats.py)
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,8 @@ class PlayerMemory:
         exclude: Iterable[str] = (),
         min_relevance: float = -1.0,
     ) -> list[Retrieved]:
-        """The top ``k`` entries for ``query`` by the combined score, from the stores ``mode`` allows;
+        """The top ``k`` entries for ``query`` by the combined score, from the stores ``mode`` allows,
+        a restatement of a better entry after the entries that say something new (repeats.py);
         entries whose event_uid is in ``exclude`` (e.g. lines already in the prompt's conversation
         window) or whose relevance is below ``min_relevance`` are neither returned nor marked
         accessed (the floor applies before the top ``k``: a recent entry below it never takes a
@@ -253,7 +256,8 @@ class PlayerMemory:
                 )
                 found.append((Retrieved(entry, name, score, relevance, recency), rowid))
         found.sort(key=lambda item: (-item[0].score, item[0].entry.event_uid))
-        top = found[:k]
+        vectors = [self._index(hit.store).vector(rowid) for hit, rowid in found]
+        top = [found[i] for i in repeats_last(vectors, k, self.weights.repeat)]
         for name in stores:
             ids = [rowid for hit, rowid in top if hit.store == name]
             if ids:
