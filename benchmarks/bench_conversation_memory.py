@@ -6,9 +6,9 @@ and 100k crystals beside them.
 
 Three query paths, over the same indexed crystals:
 
-- ``vector``: the question's embedding alone (cosine);
+- ``vector``: the question's embedding alone (cosine; repeats last, as every search);
 - ``hybrid``: memory_search as the tools call it (vector + FTS5 BM25 fused, recency, the date
-  a question names);
+  a question names, a restatement of a better hit after the new ones: memory/repeats.py);
 - ``turn``: the runtime's memory query (runtime/conversation.query_vector: the question with
   the player's last lines before it, weighted) through memory_search, as a turn asks it at the
   end of the last session.
