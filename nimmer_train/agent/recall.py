@@ -49,10 +49,10 @@ def memory_search(
     use_text: bool = True,
     record_access: bool = True,
 ) -> list[dict[str, object]]:
-    """Hybrid search (see search.py) over the stores ``mode`` allows, a restatement of a better
-    hit after the hits that say something new (memory/repeats.py: so a hit's score may exceed
-    the one above it); logs the search and counts an access on every hit (a generated crystal
-    becomes activated)."""
+    """Hybrid search (see search.py) over the stores ``mode`` allows, an older restatement of a
+    hit shown after the hits that say something new (memory/repeats.py: so a hit's score may
+    exceed the one above it); logs the search and counts an access on every hit (a generated
+    crystal becomes activated)."""
     if not query.strip():
         raise NimmerError("query: empty; say what to search for")
     if max_results < 1:
@@ -79,7 +79,10 @@ def memory_search(
             )
         hits.sort(key=lambda h: (-h[0], h[2], h[3]))
         vectors = [agent.index(h[2]).vector(h[3]) for h in hits]
-        hits = [hits[i] for i in repeats_last(vectors, max_results, w.repeat)]
+        times = [agent.index(h[2]).valid_from(h[3]) for h in hits]
+        repeat = 2.0 if include_superseded else w.repeat  # history asked for: every version shown
+        order = repeats_last(vectors, max_results, repeat, times, [h[2] for h in hits])
+        hits = [hits[i] for i in order]
         found: list[tuple[Hit, Crystal]] = []
         log_store = "clasp" if mode is Mode.IN_BETWEEN else "primary"  # a clasp query stays in clasp
         for store in agent.stores(mode):

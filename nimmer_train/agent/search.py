@@ -32,8 +32,8 @@ when asked for) loses ``w_sup`` places, so the fact that replaced it ranks first
 The agent's hormones (issue 17) scale ``w_imp`` by (1 + 0.2 D) and ``w_rec`` by (1 + 0.3 C), both
 over their values at rest (:meth:`CrystalStore.search_weights`, crystal_store.py); they stay tie-breakers.
 
-A hit that restates a better one (cosine >= ``repeat``) comes after the hits that say something
-new (memory/repeats.py): the same small talk said in six sessions filled a top ten.
+An older restatement of a hit shown (cosine >= ``repeat``, same store) comes after the hits that
+say something new (memory/repeats.py): the same small talk said in nine sessions filled a top ten.
 
 Expired and archived crystals, and superseded ones (``valid_to`` set), are left out unless
 asked for. The vectors live in an in-memory matrix per store (as in vector_index.py) with a
@@ -168,6 +168,12 @@ class LiveIndex:
         self._flush()
         n = self.pos.get(entry_id)
         return None if n is None else self.matrix[n]
+
+    def valid_from(self, entry_id: int) -> float:
+        """When the crystal's content became true (NaN when unknown)."""
+        self._flush()
+        n = self.pos.get(entry_id)
+        return math.nan if n is None else float(self.times[n])
 
     def mask(self, include_superseded: bool, include_expired: bool) -> np.ndarray:
         self._flush()

@@ -228,7 +228,8 @@ class PlayerMemory:
         min_relevance: float = -1.0,
     ) -> list[Retrieved]:
         """The top ``k`` entries for ``query`` by the combined score, from the stores ``mode`` allows,
-        a restatement of a better entry after the entries that say something new (repeats.py);
+        an older restatement of an entry shown after the entries that say something new
+        (repeats.py);
         entries whose event_uid is in ``exclude`` (e.g. lines already in the prompt's conversation
         window) or whose relevance is below ``min_relevance`` are neither returned nor marked
         accessed (the floor applies before the top ``k``: a recent entry below it never takes a
@@ -257,7 +258,9 @@ class PlayerMemory:
                 found.append((Retrieved(entry, name, score, relevance, recency), rowid))
         found.sort(key=lambda item: (-item[0].score, item[0].entry.event_uid))
         vectors = [self._index(hit.store).vector(rowid) for hit, rowid in found]
-        top = [found[i] for i in repeats_last(vectors, k, self.weights.repeat)]
+        times = [hit.entry.created_at for hit, _ in found]
+        order = repeats_last(vectors, k, self.weights.repeat, times, [hit.store for hit, _ in found])
+        top = [found[i] for i in order]
         for name in stores:
             ids = [rowid for hit, rowid in top if hit.store == name]
             if ids:

@@ -4,14 +4,17 @@ small talk no longer fill a top k that the one answering line missed."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.crystals import CrystalSpec, supersede
+from nimmer_train.agent.dialogues import _filler
 from nimmer_train.agent.ingestion import Exchange, index_exchanges
-from nimmer_train.agent.search import SearchWeights
+from nimmer_train.agent.search import SUPERSEDED, SearchWeights
 from nimmer_train.memory.embedding import SentenceEmbedder
 from nimmer_train.memory.player_memory import Mode, PlayerMemory, Weights
 from nimmer_train.memory.repeats import REPEAT_COSINE, repeats_last
@@ -123,4 +126,73 @@ def test_a_search_returns_k_hits_when_every_candidate_is_a_repeat(tmp_path: Path
         [{**ROW, "text": f"Hello again ({i})."} for i in range(6)], vectors=np.stack([same] * 6)
     )
     assert len(memory.retrieve(AXIS[0], k=k, mode=Mode.REALWORLD)) == k
+    memory.close()
+
+
+def test_a_newer_hit_is_never_a_repeat_of_an_older_one_above_it() -> None:
+    """An update said in the same words (a changed dose, day or "not") is near-identical to MiniLM:
+    the newer one is shown wherever the stale one ranks; only an older copy is deferred."""
+    stale, current = unit(AXIS[0] + AXIS[1]), unit(AXIS[0] + AXIS[1] + 0.05 * AXIS[2])
+    other = unit(AXIS[0] + AXIS[3])
+    assert repeats_last([stale, current, other], 2, times=[1.0, 2.0, 0.0]) == [0, 1]
+    assert repeats_last([current, stale, other], 2, times=[2.0, 1.0, 0.0]) == [0, 2]
+    assert repeats_last([stale, current], 2, times=[float("nan"), 1.0]) == [0, 1]  # unknown: no repeat
+    assert repeats_last([stale, current], 2, times=[1.0, float("nan")]) == [0, 1]
+
+
+def test_a_copy_in_another_store_is_never_a_repeat() -> None:
+    """The in-between's clasp and primary are separate layers of the prompt: each keeps its copy."""
+    said = unit(AXIS[0] + AXIS[1])
+    assert repeats_last([said, said, said], 2, stores=["primary", "clasp", "primary"]) == [0, 1]
+    assert repeats_last([said, said, said], 2, stores=["primary", "primary", "clasp"]) == [0, 2]
+
+
+DOSES = ("I take 5 mg of ramipril every morning.", "I take 10 mg of ramipril every morning.")
+
+
+def test_memory_search_shows_the_current_dose_beside_the_stale_one(tmp_path: Path) -> None:
+    """Two notes 0.985 apart by cosine among 200 of small talk; before the time rule the 10 mg
+    one was deferred behind the 5 mg one and left out of the six (3 runs of 3)."""
+    start = 1_800_000_000.0
+    rng = random.Random(0)
+    agent = AgentMemory(tmp_path / "agent", SentenceEmbedder(), clock=lambda: start + 40 * DAY)
+    specs = [CrystalSpec(_filler(rng), "note", valid_from=start + i * 3600) for i in range(200)]
+    old_id, new_id = agent.add(
+        [
+            *specs,
+            CrystalSpec(DOSES[0], "note", valid_from=start + DAY),
+            CrystalSpec(DOSES[1], "note", valid_from=start + 35 * DAY),
+        ]
+    )[-2:]
+    texts = [
+        h["text"] for h in agent.memory_search("How much ramipril do I take?", 6, 0.2, record_access=False)
+    ]
+    assert DOSES[1] in texts, texts
+    with agent.db("primary") as db:
+        supersede(db, old_id, new_id, start + 35 * DAY)
+    agent.index("primary").set_state(old_id, SUPERSEDED)
+    history = agent.memory_search(
+        "How much ramipril do I take?", 2, 0.2, include_superseded=True, record_access=False
+    )
+    assert {h["text"] for h in history} == set(DOSES)  # history asked for: every version, no deferral
+    agent.close()
+
+
+def test_the_players_store_shows_the_current_dose_after_a_turn_touched_both(tmp_path: Path) -> None:
+    """The prompt's path (k = 8): both doses were read by the last turn, so recency ties; the
+    current one was deferred and, never read again, kept losing (before the time rule)."""
+    clock = Clock()
+    rng = random.Random(0)
+    memory = PlayerMemory(tmp_path / "p", SentenceEmbedder(), clock=clock, weights=Weights(repeat=1.01))
+    memory.write_many([{**ROW, "text": _filler(rng)} for _ in range(200)] + [{**ROW, "text": DOSES[0]}])
+    clock.now += 5 * DAY
+    memory.write_many([{**ROW, "text": DOSES[1]}])
+    clock.now += 60
+    memory.retrieve("ramipril", k=50)  # the last turn read both
+    clock.now += 600
+    memory.weights = Weights()
+    top = [
+        hit.entry.text for hit in memory.retrieve("How much ramipril do I take?", k=8, mode=Mode.REALWORLD)
+    ]
+    assert DOSES[1] in top, top
     memory.close()
