@@ -6,15 +6,15 @@ and 100k crystals beside them.
 
 Three query paths, over the same indexed crystals:
 
-- ``vector``: the question's embedding alone (cosine; repeats last, as every search);
+- ``vector``: the question's embedding alone (cosine);
 - ``hybrid``: memory_search as the tools call it (vector + FTS5 BM25 fused, recency, the date
-  a question names, a restatement of a better hit after the new ones: memory/repeats.py);
+  a question names);
 - ``turn``: the runtime's memory query (runtime/conversation.query_vector: the question with
   the player's last lines before it, weighted) through memory_search, as a turn asks it at the
   end of the last session.
 
-Seeds: ``DEV_SEEDS`` tuned the weights, ``HELD_OUT_SEEDS`` are reported (but the repeats stage was
-designed from their misses), ``UNSEEN_SEEDS`` (300-309) nobody looked into: a change that helps
+Seeds: ``DEV_SEEDS`` tuned the weights, ``HELD_OUT_SEEDS`` are reported (their misses have been
+read to design changes since), ``UNSEEN_SEEDS`` (300-309) nobody looked into: a change that helps
 only the first two is tuned to them.
 
 Evidence recall@k: the share of all evidence turns (a multi-hop question has two) found in the
@@ -49,7 +49,7 @@ from nimmer_train.voice.prompt_dsl import PLAYER
 PATHS = ("vector", "hybrid", "turn")
 KS = (1, 5, 10)
 DEV_SEEDS = range(5)  # what the weights were tuned on
-HELD_OUT_SEEDS = range(100, 105)  # what the figures are reported on (their misses shaped repeats.py)
+HELD_OUT_SEEDS = range(100, 105)  # what the figures are reported on (their misses have been read)
 UNSEEN_SEEDS = range(300, 310)  # never looked into: the check that a change is not tuned to the above
 
 

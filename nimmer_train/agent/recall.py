@@ -31,7 +31,6 @@ from nimmer_train.agent.search import (
 from nimmer_train.artifacts import NOFOLLOW
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.player_memory import Mode, as_mode
-from nimmer_train.memory.repeats import repeats_last
 
 Hit = tuple[float, float, str, int]  # (score, similarity, store, entry id)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
@@ -49,10 +48,8 @@ def memory_search(
     use_text: bool = True,
     record_access: bool = True,
 ) -> list[dict[str, object]]:
-    """Hybrid search (see search.py) over the stores ``mode`` allows, an older restatement of a
-    hit shown after the hits that say something new (memory/repeats.py: so a hit's score may
-    exceed the one above it); logs the search and counts an access on every hit (a generated
-    crystal becomes activated)."""
+    """Hybrid search (see search.py) over the stores ``mode`` allows; logs the search and
+    counts an access on every hit (a generated crystal becomes activated)."""
     if not query.strip():
         raise NimmerError("query: empty; say what to search for")
     if max_results < 1:
@@ -78,11 +75,7 @@ def memory_search(
                 use_text,
             )
         hits.sort(key=lambda h: (-h[0], h[2], h[3]))
-        vectors = [agent.index(h[2]).vector(h[3]) for h in hits]
-        times = [agent.index(h[2]).valid_from(h[3]) for h in hits]
-        repeat = 2.0 if include_superseded else w.repeat  # history asked for: every version shown
-        order = repeats_last(vectors, max_results, repeat, times, [h[2] for h in hits])
-        hits = [hits[i] for i in order]
+        hits = hits[:max_results]
         found: list[tuple[Hit, Crystal]] = []
         log_store = "clasp" if mode is Mode.IN_BETWEEN else "primary"  # a clasp query stays in clasp
         for store in agent.stores(mode):
@@ -93,8 +86,7 @@ def memory_search(
             )
             agent.after_commit(store)
             found += [(h, crystals[h[3]]) for h in mine]
-    rank = {hit: n for n, hit in enumerate(hits)}
-    found.sort(key=lambda pair: rank[pair[0]])
+    found.sort(key=lambda pair: (-pair[0][0], pair[0][2], pair[0][3]))
     out = []
     for (score, sim, _store, _id), crystal in found:
         item = crystal.public()

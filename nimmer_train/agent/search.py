@@ -32,9 +32,6 @@ when asked for) loses ``w_sup`` places, so the fact that replaced it ranks first
 The agent's hormones (issue 17) scale ``w_imp`` by (1 + 0.2 D) and ``w_rec`` by (1 + 0.3 C), both
 over their values at rest (:meth:`CrystalStore.search_weights`, crystal_store.py); they stay tie-breakers.
 
-An older restatement of a hit shown (cosine >= ``repeat``, same store) comes after the hits that
-say something new (memory/repeats.py): the same small talk said in nine sessions filled a top ten.
-
 Expired and archived crystals, and superseded ones (``valid_to`` set), are left out unless
 asked for. The vectors live in an in-memory matrix per store (as in vector_index.py) with a
 state per row, kept in step with this process's writes and reloaded when another connection
@@ -57,7 +54,6 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from nimmer_train.agent.crystals import SEARCHABLE
-from nimmer_train.memory.repeats import REPEAT_COSINE
 from nimmer_train.memory.vector_cells import VectorCells
 
 LIVE, SUPERSEDED, GONE = 0, 1, 2
@@ -87,7 +83,6 @@ class SearchWeights:
     date: float = 0.8  # the list of crystals from a day the query names ("on 8 May 2023")
     bridge: float = 0.0  # the second hop: keyword hits on the names in the best hits (recall.py)
     bridge_seeds: int = 2
-    repeat: float = REPEAT_COSINE  # a hit this near a better one comes after the rest (repeats.py)
 
 
 def state_of(lifecycle: str, valid_to: float | None) -> int:
@@ -168,12 +163,6 @@ class LiveIndex:
         self._flush()
         n = self.pos.get(entry_id)
         return None if n is None else self.matrix[n]
-
-    def valid_from(self, entry_id: int) -> float:
-        """When the crystal's content became true (NaN when unknown)."""
-        self._flush()
-        n = self.pos.get(entry_id)
-        return math.nan if n is None else float(self.times[n])
 
     def mask(self, include_superseded: bool, include_expired: bool) -> np.ndarray:
         self._flush()

@@ -44,7 +44,6 @@ from nimmer_train.memory.entries import (
     clean_text,
     validate,
 )
-from nimmer_train.memory.repeats import REPEAT_COSINE, repeats_last
 from nimmer_train.memory.schema import PRIMARY_MIGRATIONS
 from nimmer_train.memory.vector_index import VectorIndex
 
@@ -76,7 +75,6 @@ class Weights:
     recency: float = 1.0
     recency_decay_per_hour: float = 0.995
     candidate_factor: int = 5
-    repeat: float = REPEAT_COSINE  # a hit this near a better one comes after the rest (repeats.py)
 
 
 @dataclass(frozen=True)
@@ -227,9 +225,7 @@ class PlayerMemory:
         exclude: Iterable[str] = (),
         min_relevance: float = -1.0,
     ) -> list[Retrieved]:
-        """The top ``k`` entries for ``query`` by the combined score, from the stores ``mode`` allows,
-        an older restatement of an entry shown after the entries that say something new
-        (repeats.py);
+        """The top ``k`` entries for ``query`` by the combined score, from the stores ``mode`` allows;
         entries whose event_uid is in ``exclude`` (e.g. lines already in the prompt's conversation
         window) or whose relevance is below ``min_relevance`` are neither returned nor marked
         accessed (the floor applies before the top ``k``: a recent entry below it never takes a
@@ -257,10 +253,7 @@ class PlayerMemory:
                 )
                 found.append((Retrieved(entry, name, score, relevance, recency), rowid))
         found.sort(key=lambda item: (-item[0].score, item[0].entry.event_uid))
-        vectors = [self._index(hit.store).vector(rowid) for hit, rowid in found]
-        times = [hit.entry.created_at for hit, _ in found]
-        order = repeats_last(vectors, k, self.weights.repeat, times, [hit.store for hit, _ in found])
-        top = [found[i] for i in order]
+        top = found[:k]
         for name in stores:
             ids = [rowid for hit, rowid in top if hit.store == name]
             if ids:

@@ -21,7 +21,6 @@ class VectorIndex:
         self.classes = np.zeros(0, dtype=np.int8)
         self.categories = np.zeros(0, dtype=np.int8)
         self._pending: list[tuple[int, np.ndarray, str, str]] = []
-        self._pos: dict[int, int] | None = None  # rowid -> row, built on first need
 
     @classmethod
     def load(cls, db) -> VectorIndex:  # noqa: ANN001 - an apsw connection
@@ -52,22 +51,12 @@ class VectorIndex:
             [self.categories, [DATA_CATEGORIES.index(c) for c in categories]]
         ).astype(np.int8)
         self._pending.clear()
-        self._pos = None
-
-    def vector(self, rowid: int) -> np.ndarray | None:
-        """The stored vector of ``rowid`` (None when it has none)."""
-        self._flush()
-        if self._pos is None:
-            self._pos = {int(i): n for n, i in enumerate(self.ids)}
-        n = self._pos.get(rowid)
-        return None if n is None else self.matrix[n]
 
     def remove(self, rowids: set[int]) -> None:
         self._flush()
         keep = ~np.isin(self.ids, np.fromiter(rowids, dtype=np.int64))
         self.ids, self.matrix = self.ids[keep], self.matrix[keep]
         self.classes, self.categories = self.classes[keep], self.categories[keep]
-        self._pos = None
 
     def search(
         self, query: np.ndarray, n: int, classes: list[str] | None, categories: list[str] | None
