@@ -161,14 +161,14 @@ def measure(
     for path in PATHS:
         print(f"\n{path} (held-out seeds):\n{table(figures, path)}")  # type: ignore[arg-type]
     big = sizes[-1]
-    unseen = {}  # not in a smoke run
+    unseen_ratio = {}  # not in a smoke run
     if "unseen_hybrid_all_session_hit_at_10" in figures:
         hit = figures["unseen_hybrid_all_session_hit_at_10"]
-        unseen["unseen_hybrid_session_hit_at_10_over_goal_ratio"] = hit / 0.95  # type: ignore[operator]
+        unseen_ratio["unseen_hybrid_session_hit_at_10_over_goal_ratio"] = hit / 0.95  # type: ignore[operator]
     return {
         "hybrid_recall_at_10_over_goal_ratio": figures["hybrid_all_recall_at_10"] / 0.70,  # type: ignore[operator]
         "hybrid_session_hit_at_10_over_goal_ratio": figures["hybrid_all_session_hit_at_10"] / 0.95,  # type: ignore[operator]
-        **unseen,
+        **unseen_ratio,
         "hybrid_over_vector_recall_at_10_ratio": figures["hybrid_all_recall_at_10"]  # type: ignore[operator]
         / max(1e-9, figures["vector_all_recall_at_10"]),  # type: ignore[operator]
         "search_p95_over_goal_ratio": figures[f"search_{big}_p95_ms"] / 20.0,  # type: ignore[operator]
