@@ -35,7 +35,8 @@ Full: the published version over SmolLM2-135M-Instruct (converted from the ``llm
 wheel's GGUF as bench_real_base does, with register LoRAs at their initialisation, so each speaks
 as the instruct model), two registers, 48 new tokens per reply, a 256-token window; skipped with
 the reason when the package is missing. Smoke: the tiny base built from config (its replies are
-noise; only ``in_prompt`` means anything there), one register.
+noise; only ``in_prompt`` means anything there), one register, the two arms of the ratio
+(memoryless and memory), 16 new tokens.
 
     python -m benchmarks.bench_conversation_recall [--smoke]
 """
@@ -315,7 +316,8 @@ def run(smoke: bool = False) -> dict[str, object]:
             )
             return {**figures, "goal": GOAL, "model": f"published {version} at {releases}"}
         if smoke:
-            figures, model = _measure(Path(tmp), None, REGISTERS[:1], 32, 256), "tiny"
+            smoke_arms = tuple(a for a in ARMS if a[0] in ("memoryless", "memory"))  # the ratio's two
+            figures, model = _measure(Path(tmp), None, REGISTERS[:1], 16, 256, arms_run=smoke_arms), "tiny"
         else:
             from benchmarks.bench_runtime import _real_base
 
