@@ -28,6 +28,7 @@ from nimmer_train.agent.search import (
     weighted,
     without_days,
 )
+from nimmer_train.agent.subjects import about_another, asked_about, player_said, said_about
 from nimmer_train.artifacts import NOFOLLOW
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.player_memory import Mode, as_mode
@@ -145,15 +146,27 @@ def _scored(
     stale = set(fused) - set(rows)  # deleted on this connection (issue 5's pruning)
     if stale:
         index.remove(stale)
+    others = _about_others(db, query, [i for i in fused if i not in stale]) if w.other else set()
     hits = []
     for entry_id, value in fused.items():
         if entry_id in stale:
             continue
         valid_from, imp, closed = rows[entry_id]
-        score = weighted(value, recency(valid_from, now, w.recency_half_life_h), imp, w, closed)
+        fresh = recency(valid_from, now, w.recency_half_life_h)
+        score = weighted(value, fresh, imp, w, closed, entry_id in others)
         if sims.get(entry_id, 0.0) >= min_score or entry_id in keyword_hits:
             hits.append((score, sims.get(entry_id, 0.0), store, entry_id))
     return hits
+
+
+def _about_others(db: apsw.Connection, query: str, ids: list[int]) -> set[int]:
+    """The candidates whose player's lines state someone else's fact when ``query`` asks about
+    the player or one of the player's relations (subjects.py); none for any other query."""
+    asked = asked_about(query)
+    if asked is None or not ids:
+        return set()
+    rows = db.execute(f"SELECT id, text FROM entries WHERE id IN ({', '.join('?' * len(ids))})", ids)
+    return {entry_id for entry_id, text in rows if about_another(asked, said_about(player_said(text)))}
 
 
 def _day_vector(agent: CrystalStore, query: str, q: np.ndarray) -> np.ndarray:

@@ -83,6 +83,7 @@ class SearchWeights:
     date: float = 0.8  # the list of crystals from a day the query names ("on 8 May 2023")
     bridge: float = 0.0  # the second hop: keyword hits on the names in the best hits (recall.py)
     bridge_seeds: int = 2
+    other: float = 8.0  # a player's line about someone else, for a question about the player (subjects.py)
 
 
 def state_of(lifecycle: str, valid_to: float | None) -> int:
@@ -279,12 +280,18 @@ def fuse(
 
 
 def weighted(
-    fused: float, recency: float, importance: float, weights: SearchWeights, superseded: bool = False
+    fused: float,
+    recency: float,
+    importance: float,
+    weights: SearchWeights,
+    superseded: bool = False,
+    another: bool = False,
 ) -> float:
-    """``fused`` with recency, importance (and supersession) as tie-breakers worth rank places."""
+    """``fused`` with recency, importance (and supersession) as tie-breakers worth rank places,
+    less ``weights.other`` places for someone else's fact (``another``, subjects.py)."""
     place = 1.0 / (weights.rrf_k + 1)
     lift = weights.recency * recency + weights.importance * importance
-    lift -= weights.superseded * superseded
+    lift -= weights.superseded * superseded + weights.other * another
     return fused * max(0.0, 1 + place * lift) / (1 + place * (weights.recency + weights.importance))
 
 
