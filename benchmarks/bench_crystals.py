@@ -320,7 +320,9 @@ def latency(n: int, queries: int, rng: np.random.Generator) -> dict[str, float]:
         agent = filled(Path(tmp), n, rng)
         samples = []
         for _ in range(queries):
-            text = " ".join(WORDS[w] for w in rng.integers(0, len(WORDS), 4))
+            # a question about the player, so every search also reads whose fact its candidates
+            # state (agent/subjects.py): the slower path
+            text = "what did I say of " + " ".join(WORDS[w] for w in rng.integers(0, len(WORDS), 4))
             vector = agent.embedder.embed([text])[0]
             started = time.perf_counter()
             agent.memory_search(text, 6, 0.0, vector=vector)

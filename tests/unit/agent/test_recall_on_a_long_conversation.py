@@ -16,6 +16,7 @@ from nimmer_train.memory.embedding import SentenceEmbedder
 # Six sessions of twelve exchanges (72 crystals, 16 questions per seed, seeds 0 and 1). Measured
 # (issue 40, exchanges embedded without their speaker labels): hybrid evidence recall@10 0.97,
 # session hit@10 1.00 on these seeds; 0.94 / 0.98 on seeds 2-5 and 0.99 / 1.00 on seeds 100-103
+# (with whose fact a line states, agent/subjects.py: 0.97 / 1.00, 0.99 / 1.00 and 1.00 / 1.00)
 # (with the labels in the vector: 0.94 / 1.00 here, 0.93 / 0.98 on 2-5). The floors leave room
 # for three of the 36 evidence turns and two questions to slip (a changed embedder or weights),
 # and fail when retrieval falls back toward the labelled vectors' level on the long benchmark.
@@ -52,10 +53,13 @@ def test_a_question_that_names_a_day_finds_what_was_said_that_day(
     session = q.sessions[0]
     assert date_words(dialogue.session_dates[session]) in q.text
     agent = indexed(minilm, dialogue, tmp_path)
+    day = f"session-{session + 1}"
     dated = agent.memory_search(q.text, 5, -1.0, record_access=False)
-    assert score(dated, q.evidence, q.sessions, 5)[0] == 1
-    assert all(hit["session_id"] == f"session-{session + 1}" for hit in dated[:3])
+    assert score(dated, q.evidence, q.sessions, 1)[0] == 1, "the day's own event comes first"
+    # what someone else did that day ("Emil ran a marathon last year") is not what the player did:
+    # it ranks below the player's own lines of other days (agent/subjects.py)
+    assert sum(hit["session_id"] == day for hit in dated[:3]) >= 2
     agent.weights = SearchWeights(date=0.0)  # without the day: the day's crystals are not preferred
     undated = agent.memory_search(q.text, 5, -1.0, record_access=False)
-    assert sum(hit["session_id"] == f"session-{session + 1}" for hit in undated) < 5
+    assert sum(hit["session_id"] == day for hit in undated) < sum(hit["session_id"] == day for hit in dated)
     agent.close()
