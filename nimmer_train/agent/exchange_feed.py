@@ -13,10 +13,9 @@ from typing import Any
 from nimmer_train.agent.crystal_store import CrystalStore
 from nimmer_train.agent.hormones import EVENTS, events_valence
 from nimmer_train.agent.ingestion import Exchange, TranscriptIndexer
+from nimmer_train.agent.subjects import USER_ROLES  # whose words imply events
 from nimmer_train.agent.tool_registry import Tool, ToolArgumentError, object_schema
 from nimmer_train.voice.traits import TRAIT_AXES
-
-USER_ROLES = ("user", "player")  # whose words imply events (as a turn reads the player's line)
 
 
 def record_exchange(

@@ -28,7 +28,7 @@ from nimmer_train.agent.search import (
     weighted,
     without_days,
 )
-from nimmer_train.agent.subjects import about_another, asked_about, player_said, said_about
+from nimmer_train.agent.subjects import READ_CHARS, about_another, asked_about, player_said, said_about
 from nimmer_train.artifacts import NOFOLLOW
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.player_memory import Mode, as_mode
@@ -165,7 +165,10 @@ def _about_others(db: apsw.Connection, query: str, ids: list[int]) -> set[int]:
     asked = asked_about(query)
     if asked is None or not ids:
         return set()
-    rows = db.execute(f"SELECT id, text FROM entries WHERE id IN ({', '.join('?' * len(ids))})", ids)
+    rows = db.execute(  # the player's lines lead an exchange crystal: its start is all that is read
+        f"SELECT id, substr(text, 1, ?) FROM entries WHERE id IN ({', '.join('?' * len(ids))})",
+        [READ_CHARS + 200, *ids],
+    )
     return {entry_id for entry_id, text in rows if about_another(asked, said_about(player_said(text)))}
 
 

@@ -83,7 +83,7 @@ class SearchWeights:
     date: float = 0.8  # the list of crystals from a day the query names ("on 8 May 2023")
     bridge: float = 0.0  # the second hop: keyword hits on the names in the best hits (recall.py)
     bridge_seeds: int = 2
-    other: float = 8.0  # a player's line about someone else, for a question about the player (subjects.py)
+    other: float = 12.0  # a line about the player's relations, asked about the player (subjects.py)
 
 
 def state_of(lifecycle: str, valid_to: float | None) -> int:
@@ -288,7 +288,8 @@ def weighted(
     another: bool = False,
 ) -> float:
     """``fused`` with recency, importance (and supersession) as tie-breakers worth rank places,
-    less ``weights.other`` places for someone else's fact (``another``, subjects.py)."""
+    less ``weights.other`` places for someone else's fact (``another``, subjects.py; 12 at
+    k = 10 brings its score to about 0: it ranks below every line that is not someone else's)."""
     place = 1.0 / (weights.rrf_k + 1)
     lift = weights.recency * recency + weights.importance * importance
     lift -= weights.superseded * superseded + weights.other * another

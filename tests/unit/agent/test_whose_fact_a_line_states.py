@@ -21,7 +21,11 @@ from nimmer_train.agent.subjects import (
 )
 from nimmer_train.memory.embedding import SentenceEmbedder
 
-FRIEND = Subject("relation", "friend")
+FRIEND = Subject("relation", frozenset({"friend"}))
+
+
+def relation(*who: str) -> Subject:
+    return Subject("relation", frozenset(who))
 
 
 @pytest.mark.parametrize(
@@ -29,16 +33,23 @@ FRIEND = Subject("relation", "friend")
     [
         ("We finally settled into our new flat in Turin.", PLAYER_SELF),
         ("My friend and I went sailing.", PLAYER_SELF),
+        ("Me and my wife finally settled into our new flat in Oslo.", PLAYER_SELF),
+        ("My boss promoted me to head baker.", PLAYER_SELF),  # the player is in it: the player's fact
+        ("Love falafel, my favourite dish by far.", PLAYER_SELF),  # no subject, but "my" of a thing
+        ("My mum's falafel is still my favourite dish.", PLAYER_SELF),
         ("I\u2019m a nurse now.", PLAYER_SELF),  # a curly apostrophe
         ("i live in turin now", PLAYER_SELF),  # chat in lower case
         ("My friend Vera lives in Ghent and works as a baker.", FRIEND),
-        ("Our new neighbour is allergic to cats.", Subject("relation", "neighbour")),
-        ("My colleague Birk has a sister called Greta.", Subject("relation", "colleague")),
-        ("Do you think it will rain on the weekend?", Subject("listener")),
-        ("Greta just started a new job at the harbour office.", Subject("named", "Greta")),
-        ("Moved to Turin last week.", None),  # no subject said: a verb's shape is not a name
-        ("First week at the river school went well, the new colleagues are kind.", None),
-        ("My car is red.", None),  # "my" of a thing, not of a person
+        ("Our new neighbor is allergic to cats.", relation("neighbour")),  # one word per relation
+        ("My colleague Birk has a sister called Greta.", relation("colleague")),
+        ("My parents named my little sister Ada.", relation("parent", "sister")),
+        ("My friend flew to the US last week.", FRIEND),  # the country is not "us"
+        # the player does not appear: nothing is guessed (a review showed guessed names and "you"
+        # demoting the player's own "Got a job as a nurse" and "moved here, you should visit!")
+        ("Greta just started a new job at the harbour office.", None),
+        ("Got a job as a nurse, that keeps me busy.", PLAYER_SELF),
+        ("Got the keys to the new flat at last.", None),
+        ("Do you think it will rain on the weekend?", None),
     ],
 )
 def test_a_player_line_is_read_as_the_fact_of_whom_it_is_about(line: str, subject: Subject | None) -> None:
@@ -49,11 +60,14 @@ def test_a_player_line_is_read_as_the_fact_of_whom_it_is_about(line: str, subjec
     ("question", "subject"),
     [
         ("Where do I live?", PLAYER_SELF),
+        ("where do i live", PLAYER_SELF),
         ("Is satay sauce a safe choice for me?", PLAYER_SELF),
         ("What colour is my car currently?", PLAYER_SELF),
-        ("What is my sister's name?", Subject("relation", "sister")),
+        ("What is my sister's name?", relation("sister")),
+        ("What does my mom do for work?", relation("mother")),  # mum, mom and mother are one
         ("In which city does my best friend live now?", FRIEND),
         ("When did Caroline go to the support group?", None),  # third person: asks about no one here
+        ("When did Caroline fly back from the US?", None),
     ],
 )
 def test_a_question_is_read_as_asking_about_the_player_a_relation_or_no_one(
@@ -62,23 +76,22 @@ def test_a_question_is_read_as_asking_about_the_player_a_relation_or_no_one(
     assert asked_about(question) == subject
 
 
-def test_only_someone_elses_fact_counts_against_a_question_and_a_named_second_hop_never_does() -> None:
-    named, listener = Subject("named", "Tomas"), Subject("listener")
-    assert about_another(PLAYER_SELF, FRIEND) and about_another(PLAYER_SELF, named)
-    assert about_another(PLAYER_SELF, listener)
+def test_only_a_line_about_other_relations_counts_against_a_question() -> None:
+    sister, parents_and_sister = relation("sister"), relation("parent", "sister")
+    assert about_another(PLAYER_SELF, FRIEND) and about_another(sister, FRIEND)
     assert not about_another(PLAYER_SELF, PLAYER_SELF) and not about_another(PLAYER_SELF, None)
-    sister = Subject("relation", "sister")
-    assert about_another(sister, FRIEND) and about_another(sister, listener)
-    assert not about_another(sister, sister)
-    assert not about_another(FRIEND, named), (
-        "'Tomas moved to Oslo' may answer 'where does my best friend live?'"
-    )
+    assert not about_another(sister, sister) and not about_another(sister, parents_and_sister)
+    assert not about_another(sister, PLAYER_SELF) and not about_another(FRIEND, None)
     assert not about_another(None, FRIEND), "a question about no one in particular changes nothing"
 
 
-def test_only_the_players_lines_of_a_crystal_are_read() -> None:
-    text = "player: I live in Turin.\nnpc:companion: You told me about Oslo.\nplayer (continued): Since May."
-    assert player_said(text) == "I live in Turin. Since May."
+def test_every_line_of_the_players_message_is_read_and_nothing_else() -> None:
+    text = (
+        "player: Big news!\nI baked bread today.\nnpc:companion: You told me about Oslo.\n"
+        "player (continued): Since May."
+    )
+    assert player_said(text) == "Big news! I baked bread today. Since May."
+    assert player_said("user: I live in Turin.\nassistant: Noted.") == "I live in Turin."  # over MCP
     assert player_said("# A note\nMy friend Vera lives in Ghent.") == ""
 
 
@@ -89,11 +102,8 @@ OTHERS = [
         ["Vera", "Lena", "Emil", "Nora", "Birk"], ["Ghent", "Porto", "Vienna", "Riga", "Lyon"], strict=True
     )
 ]
-OTHERS += [
-    f"{n} just started a new job at the {p}."
-    for n, p in (("Greta", "harbour office"), ("Karl", "city hospital"))
-]
-OTHERS += ["Do you think it will rain on the weekend?", "Have you heard the news about bees?"]
+OTHERS += ["My colleague Karl moved into a new flat in Turin.", "Our neighbour Greta lives in Bergen now."]
+OTHERS += ["Do you think it will rain on the weekend?", "Have you heard the news about bees?"]  # left alone
 MINE = "We finally settled into our new flat in Turin."
 
 
@@ -125,13 +135,13 @@ def _place(agent: AgentMemory, question: str, other: float) -> tuple[int, list[t
 def test_a_question_about_the_player_ranks_the_players_own_fact_above_the_same_fact_of_others(
     memory: AgentMemory,
 ) -> None:
-    with_rule, _ = _place(memory, "Where do I live?", 8.0)
+    with_rule, _ = _place(memory, "Where do I live?", SearchWeights().other)
     without, _ = _place(memory, "Where do I live?", 0.0)
     assert with_rule == 0, f"the player's own move ranked {with_rule + 1}"
     assert without > with_rule, "without the rule the friends' homes rank above it (the test can fail)"
 
 
 def test_a_question_about_no_one_in_particular_ranks_exactly_as_before(memory: AgentMemory) -> None:
-    assert _place(memory, "Which city has a new flat?", 8.0) == _place(
+    assert _place(memory, "Which city has a new flat?", SearchWeights().other) == _place(
         memory, "Which city has a new flat?", 0.0
     )
