@@ -28,7 +28,14 @@ from nimmer_train.agent.search import (
     weighted,
     without_days,
 )
-from nimmer_train.agent.subjects import READ_CHARS, about_another, asked_about, player_said, said_about
+from nimmer_train.agent.subjects import (
+    PLAYER_SPEAKERS,
+    READ_CHARS,
+    about_another,
+    asked_about,
+    player_said,
+    said_about,
+)
 from nimmer_train.artifacts import NOFOLLOW
 from nimmer_train.errors import NimmerError
 from nimmer_train.memory.player_memory import Mode, as_mode
@@ -166,8 +173,9 @@ def _about_others(db: apsw.Connection, query: str, ids: list[int]) -> set[int]:
     if asked is None or not ids:
         return set()
     rows = db.execute(  # the player's lines lead an exchange crystal: its start is all that is read
-        f"SELECT id, substr(text, 1, ?) FROM entries WHERE id IN ({', '.join('?' * len(ids))})",
-        [READ_CHARS + 200, *ids],
+        f"SELECT id, substr(text, 1, ?) FROM entries WHERE id IN ({', '.join('?' * len(ids))}) "
+        f"AND speaker IN ({', '.join('?' * len(PLAYER_SPEAKERS))})",
+        [READ_CHARS + 200, *ids, *PLAYER_SPEAKERS],
     )
     return {entry_id for entry_id, text in rows if about_another(asked, said_about(player_said(text)))}
 

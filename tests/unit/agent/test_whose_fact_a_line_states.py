@@ -9,6 +9,7 @@ import time
 import pytest
 
 from nimmer_train.agent.agent_memory import AgentMemory
+from nimmer_train.agent.crystals import CrystalSpec
 from nimmer_train.agent.ingestion import Exchange, index_exchanges
 from nimmer_train.agent.search import SearchWeights
 from nimmer_train.agent.subjects import (
@@ -40,10 +41,17 @@ def relation(*who: str) -> Subject:
         ("I\u2019m a nurse now.", PLAYER_SELF),  # a curly apostrophe
         ("i live in turin now", PLAYER_SELF),  # chat in lower case
         ("My friend Vera lives in Ghent and works as a baker.", FRIEND),
-        ("Our new neighbor is allergic to cats.", relation("neighbour")),  # one word per relation
+        ("Our neighbor Hugo is allergic to cats.", relation("neighbour")),  # one word per relation
         ("My colleague Birk has a sister called Greta.", relation("colleague")),
-        ("My parents named my little sister Ada.", relation("parent", "sister")),
-        ("My friend flew to the US last week.", FRIEND),  # the country is not "us"
+        ("My parents Ann and Bo, my sister Lea and her kids live in Oslo.", relation("parent", "sister")),
+        ("My hubby Tom works nights at the depot.", relation("husband")),
+        # a relation that does not open a clause: the player's own doing, not the relation's
+        ("Went hiking in the hills with my brother on Saturday.", PLAYER_SELF),
+        ("Started working at my uncle's bakery on Monday.", PLAYER_SELF),
+        # an unnamed relation as the subject tells the player's news (a second review's cases)
+        ("My boss confirmed the promotion this morning!", PLAYER_SELF),
+        ("Our landlord put the rent up to 1,400 a month.", PLAYER_SELF),
+        ("My friend Ada flew to the US last week.", FRIEND),  # the country is not "us"
         # the player does not appear: nothing is guessed (a review showed guessed names and "you"
         # demoting the player's own "Got a job as a nurse" and "moved here, you should visit!")
         ("Greta just started a new job at the harbour office.", None),
@@ -65,6 +73,7 @@ def test_a_player_line_is_read_as_the_fact_of_whom_it_is_about(line: str, subjec
         ("What colour is my car currently?", PLAYER_SELF),
         ("What is my sister's name?", relation("sister")),
         ("What does my mom do for work?", relation("mother")),  # mum, mom and mother are one
+        ("What does my hubby do?", relation("husband")),
         ("In which city does my best friend live now?", FRIEND),
         ("When did Caroline go to the support group?", None),  # third person: asks about no one here
         ("When did Caroline fly back from the US?", None),
@@ -145,3 +154,11 @@ def test_a_question_about_no_one_in_particular_ranks_exactly_as_before(memory: A
     assert _place(memory, "Which city has a new flat?", SearchWeights().other) == _place(
         memory, "Which city has a new flat?", 0.0
     )
+
+
+def test_a_note_that_quotes_a_player_line_is_never_demoted(memory: AgentMemory) -> None:
+    """Only exchange crystals are read: a note or a file quoting "player: ..." is left alone."""
+    memory.add([CrystalSpec("player: My friend Ada lives in a flat in Turin.", "note")])
+    ranked = {other: _place(memory, "Where do I live?", other)[1] for other in (SearchWeights().other, 0.0)}
+    note = [dict(hits) for hits in ranked.values()]
+    assert note[0]["None"] == note[1]["None"], "the note's score is the same with the rule and without"
