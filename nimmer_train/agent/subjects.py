@@ -23,10 +23,16 @@ when it has a first-person word (I, me, my, we, us, our; the acronym "US" is not
 no one in particular, and then nothing changes: a question that names a person in the third
 person, as a public long-conversation benchmark asks them, is ranked as before.
 
-What this cannot see: a fact about the player told by a named relation ("My boss Karl confirmed
-the promotion"), a relation the table lacks, and irony. Such a line ranks below the others for a
-question about the player; it is not removed. Only exchange crystals are read (a note or a file
-that quotes "player: ..." is left alone).
+A message is someone else's only when every sentence of it is ("My sister Ana is visiting. Oh and
+got the job!" keeps the player's news). A relation is answered by its members and other names: a
+question about "my parents" by "my mum Ana", about "my family" by "my brother Marc", about "my
+boss" by "my manager Karl" (a third review).
+
+What this cannot see: a fact about the player told by a named relation ("My boss Karl signed off
+on the promotion", "my wife Lea is pregnant": out of the top 10 for the question about the player
+in the third review's cases), a relation the table lacks, and irony. Such a line ranks below the
+others for a question about the player; it is not removed. Only exchange crystals are read (a note
+or a file that quotes "player: ..." is left alone).
 """
 
 from __future__ import annotations
@@ -46,18 +52,29 @@ _RELATION_WORDS = """friend friends:friend bestie:friend bff:friend mate:friend 
     brothers:brother bro:brother sibling siblings:sibling mother mum:mother mom:mother
     father dad:father parents:parent folks:parent wife missus:wife wifey:wife husband
     hubby:husband partner son sons:son daughter daughters:daughter kids:child children:child
-    child kid:child boss manager cousin cousins:cousin aunt uncle niece nephew grandmother
+    child kid:child boss manager:boss cousin cousins:cousin aunt uncle niece nephew grandmother
     grandma:grandmother gran:grandmother granny:grandmother nan:grandmother nana:grandmother
     grandfather grandpa:grandfather grandparents:grandparent boyfriend bf:boyfriend girlfriend
     gf:girlfriend fiance fiancee ex roommate:flatmate flatmate housemate:flatmate classmate
-    teammate landlord landlady mentor"""
+    teammate landlord landlady mentor family relatives:family relative:family"""
 RELATIONS = {
     word: (one or word) for word, _, one in (item.partition(":") for item in _RELATION_WORDS.split())
+}
+_KIN = "mother father sister brother son daughter wife husband partner grandmother grandfather"
+# a relation that names others too: a question about "my parents" is answered by "my mum Ana ..."
+UMBRELLAS = {
+    "parent": {"mother", "father"},
+    "sibling": {"sister", "brother"},
+    "child": {"son", "daughter"},
+    "grandparent": {"grandmother", "grandfather"},
+    "partner": {"wife", "husband", "boyfriend", "girlfriend", "fiance", "fiancee"},
+    "family": {*_KIN.split(), "parent", "sibling", "child", "grandparent", "cousin", "aunt", "uncle"},
 }
 FIRST_PERSON = frozenset(["i", "me", "my", "mine", "myself", "we", "us", "our", "ours"])
 # words, and the marks that end a clause: "I'm" -> "i", "m"; "mum's" -> "mum", "s"
 _TOKEN = re.compile(r"[A-Za-z]+|[.!?;,:\n]")
 _ACRONYM_US = re.compile(r"\bUS\b")  # the country, not "us"
+_SENTENCE = re.compile(r"(?<=[.!?])\s+|\n")
 # a line is read up to here: a 4,000-character message read whole cost a search about 10 ms (40
 # candidates at 0.25 ms), and whose fact a message states shows in its first sentences
 READ_CHARS = 600
@@ -86,17 +103,28 @@ def asked_about(question: str) -> Subject | None:
 def said_about(line: str) -> Subject | None:
     """Whose fact the player's ``line`` states: the player's when the player appears in it other
     than as the owner of a relation, the relations' when the player appears only so, else None."""
-    relations, player = _read(line[:READ_CHARS])
-    if player:
-        return PLAYER_SELF
-    return Subject("relation", relations) if relations else None
+    relations: set[str] = set()
+    for sentence in _SENTENCE.split(line[:READ_CHARS]):
+        if not sentence.strip():
+            continue
+        named, player = _read(sentence)
+        if player:
+            return PLAYER_SELF
+        if not named:  # a sentence about no relation: the message is not only theirs
+            return None
+        relations |= named
+    return Subject("relation", frozenset(relations)) if relations else None
 
 
 def about_another(asked: Subject | None, said: Subject | None) -> bool:
     """Whether a line about ``said`` states someone else's fact for a question about ``asked``."""
     if asked is None or said is None or said == PLAYER_SELF:
         return False
-    return asked == PLAYER_SELF or not asked.who & said.who
+    return asked == PLAYER_SELF or not _with_members(asked.who) & _with_members(said.who)
+
+
+def _with_members(relations: frozenset[str]) -> set[str]:
+    return set(relations).union(*(UMBRELLAS.get(r, ()) for r in relations))
 
 
 def player_said(text: str) -> str:

@@ -162,3 +162,32 @@ def test_a_note_that_quotes_a_player_line_is_never_demoted(memory: AgentMemory) 
     ranked = {other: _place(memory, "Where do I live?", other)[1] for other in (SearchWeights().other, 0.0)}
     note = [dict(hits) for hits in ranked.values()]
     assert note[0]["None"] == note[1]["None"], "the note's score is the same with the rule and without"
+
+
+def test_a_message_is_someone_elses_only_when_every_sentence_of_it_is() -> None:
+    news = "My sister Ana is visiting next week. Oh and got the job at the bank, start Monday!"
+    assert said_about(news) is None, "the player's news in the second sentence keeps the message"
+    assert said_about("My friend Vera lives in Ghent. My colleague Ada lives in Oslo.") == relation(
+        "friend", "colleague"
+    )
+
+
+@pytest.mark.parametrize(
+    ("question", "line"),
+    [
+        ("Where does my mum live?", "My parents Ana and Jo live in Porto."),
+        ("What do my grandparents do?", "My grandma Rose still runs the farm."),
+        ("Who in my family is allergic to cats?", "My brother Marc is allergic to cats."),
+        ("Which of my relatives lives abroad?", "My aunt Carla lives in Buenos Aires."),
+        ("Did my boss approve my leave?", "My manager Karl approved the leave."),
+        ("What does my partner do?", "My wife Lea teaches maths."),
+    ],
+)
+def test_a_relation_is_answered_by_its_members_and_its_other_names(question: str, line: str) -> None:
+    assert not about_another(asked_about(question), said_about(line))
+
+
+def test_a_different_member_of_the_family_is_still_someone_else() -> None:
+    assert about_another(
+        asked_about("What is my sister's name?"), said_about("My brother Marc is a dentist.")
+    )
