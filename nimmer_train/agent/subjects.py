@@ -102,7 +102,8 @@ def asked_about(question: str) -> Subject | None:
 
 def said_about(line: str) -> Subject | None:
     """Whose fact the player's ``line`` states: the player's when the player appears in it other
-    than as the owner of a relation, the relations' when the player appears only so, else None."""
+    than as the owner of a named relation, the relations' when every sentence (or line) names one
+    and the player appears only so, else None."""
     relations: set[str] = set()
     for sentence in _SENTENCE.split(line[:READ_CHARS]):
         if not sentence.strip():
@@ -128,9 +129,9 @@ def _with_members(relations: frozenset[str]) -> set[str]:
 
 
 def player_said(text: str) -> str:
-    """The player's lines of a transcript crystal's text, joined: "player: ..." (or "user: ...")
-    lines, continued ones, and the unlabelled lines of a message of several lines that follow
-    them; empty for any other crystal."""
+    """The player's lines of a transcript crystal's text, one a line: "player: ..." (or "user:
+    ...") lines, continued ones, and the unlabelled lines of a message of several lines that
+    follow them; empty for any other crystal."""
     said, mine = [], False
     for line in text.split("\n"):
         label, colon, rest = line.partition(": ")
@@ -140,7 +141,7 @@ def player_said(text: str) -> str:
             line = rest
         if mine:
             said.append(line)
-    return " ".join(said)
+    return "\n".join(said)
 
 
 def _read(text: str) -> tuple[frozenset[str], bool]:

@@ -99,7 +99,7 @@ def test_every_line_of_the_players_message_is_read_and_nothing_else() -> None:
         "player: Big news!\nI baked bread today.\nnpc:companion: You told me about Oslo.\n"
         "player (continued): Since May."
     )
-    assert player_said(text) == "Big news! I baked bread today. Since May."
+    assert player_said(text) == "Big news!\nI baked bread today.\nSince May."
     assert player_said("user: I live in Turin.\nassistant: Noted.") == "I live in Turin."  # over MCP
     assert player_said("# A note\nMy friend Vera lives in Ghent.") == ""
 
@@ -167,6 +167,7 @@ def test_a_note_that_quotes_a_player_line_is_never_demoted(memory: AgentMemory) 
 def test_a_message_is_someone_elses_only_when_every_sentence_of_it_is() -> None:
     news = "My sister Ana is visiting next week. Oh and got the job at the bank, start Monday!"
     assert said_about(news) is None, "the player's news in the second sentence keeps the message"
+    assert said_about("My sister Ana is visiting next week\ngot the job at the bank") is None  # no stop
     assert said_about("My friend Vera lives in Ghent. My colleague Ada lives in Oslo.") == relation(
         "friend", "colleague"
     )
